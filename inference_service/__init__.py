@@ -1,0 +1,1 @@
+"""Continuous-batching LLM inference engine served over gRPC."""

@@ -1,0 +1,1 @@
+"""Attention over the paged KV cache, behind one interface that backends implement."""
