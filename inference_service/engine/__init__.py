@@ -1,0 +1,1 @@
+"""Engine: scheduling, KV-cache management, sampling and detokenization."""
