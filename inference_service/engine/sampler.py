@@ -1,0 +1,300 @@
+"""Chooses the next token for every row of a batch, each row with its own request's parameters.
+
+Processing order (each step only runs when some row needs it)::
+
+    raw logits ──> logprobs (log_softmax of the raw logits, rows that asked)
+        │
+        ├─ logit_bias ─> min_tokens mask ─> repetition penalty ─> frequency/presence penalties
+        │
+        ├─ greedy rows:  argmax
+        └─ sampled rows: / temperature ─> top-k ─> top-p ─> min-p ─> softmax ─> argmax(probs / Exp(1) noise)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from inference_service.engine.sampling_params import SamplingParams
+
+# Exponential noise of exactly 0 would divide by zero; any tiny positive floor is unbiased enough.
+_MIN_NOISE = 1e-20
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The per-request generator for `SamplingParams.seed` (None when unseeded)."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def _flatten(rows: list[int], lists: list[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index [M], token id [M]) int64 tensors listing `lists[j]` for row `rows[j]`."""
+    row_ids = [row for row, ids in zip(rows, lists) for _ in range(len(ids))]
+    token_ids = [t for ids in lists for t in ids]
+    return (torch.tensor(row_ids, dtype=torch.long, device=device),
+            torch.tensor(token_ids, dtype=torch.long, device=device))
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one step as tensors. Build with `SamplingBatch.build`.
+
+    Optional fields are None when no row needs that step, so an all-greedy batch with no
+    penalties costs only an argmax.
+    """
+
+    num_rows: int
+    all_greedy: bool
+    sampled_rows: list[int]  # rows drawn at random
+    # --- logits processors (None = no row needs it) ---
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows [M], token ids [M], values [M] f32
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # rows [M], token ids [M] to set to -inf
+    repetition: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # penalty [N, 1], rows [M], ids [M]
+    # frequency [N, 1], presence [N, 1], rows [M], output token ids [M] (repeats counted)
+    freq_presence: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+    # --- sampled rows only, indexed like `sampled_rows` ---
+    temperature: torch.Tensor | None  # [S, 1] f32
+    top_k: torch.Tensor | None  # [S] int64, 0 = off; None when no sampled row uses top-k
+    top_p: torch.Tensor | None  # [S] f32; None when all are 1
+    min_p: torch.Tensor | None  # [S] f32; None when all are 0
+    generators: list[torch.Generator | None]  # [S]
+    # --- logprobs ---
+    logprob_rows: list[int]  # rows that asked for logprobs
+    num_top_logprobs: list[int]  # per entry of `logprob_rows`
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
+              output_token_ids: list[list[int]], generators: list[torch.Generator | None],
+              device: torch.device | str = "cpu",
+              eos_token_ids: Collection[int] | Sequence[Collection[int]] = ()) -> SamplingBatch:
+        """Turns row i's `params[i]`, token history and generator into batch tensors.
+
+        `eos_token_ids` is either one collection shared by all rows or one per row; with
+        `stop_token_ids` they are masked while a row has fewer than `min_tokens` outputs
+        (EOS ids are not masked for `ignore_eos` rows, which EOS does not end).
+        """
+        n = len(params)
+        assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == n
+        if eos_token_ids and all(isinstance(t, int) for t in eos_token_ids):
+            eos_per_row = [eos_token_ids] * n
+        else:
+            eos_per_row = list(eos_token_ids) or [()] * n
+        greedy = [p.is_greedy for p in params]
+        sampled = [i for i in range(n) if not greedy[i]]
+
+        bias_rows, bias_ids, bias_vals = [], [], []
+        mask_rows, mask_lists = [], []
+        rep_rows, rep_lists = [], []
+        fp_rows, fp_lists = [], []
+        for i, p in enumerate(params):
+            if p.logit_bias:
+                for token_id, value in p.logit_bias.items():
+                    bias_rows.append(i)
+                    bias_ids.append(token_id)
+                    bias_vals.append(value)
+            if len(output_token_ids[i]) < p.min_tokens:
+                banned = set(p.stop_token_ids)
+                if not p.ignore_eos:
+                    banned.update(eos_per_row[i])
+                if banned:
+                    mask_rows.append(i)
+                    mask_lists.append(sorted(banned))
+            if p.repetition_penalty != 1.0:
+                rep_rows.append(i)
+                # NOTE: duplicates are harmless: the mask is set, not accumulated.
+                rep_lists.append(list(prompt_token_ids[i]) + list(output_token_ids[i]))
+            if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and output_token_ids[i]:
+                fp_rows.append(i)
+                fp_lists.append(output_token_ids[i])
+
+        bias = None
+        if bias_rows:
+            bias = (torch.tensor(bias_rows, dtype=torch.long, device=device),
+                    torch.tensor(bias_ids, dtype=torch.long, device=device),
+                    torch.tensor(bias_vals, dtype=torch.float32, device=device))
+        min_tokens_mask = _flatten(mask_rows, mask_lists, device) if mask_rows else None
+        repetition = None
+        if rep_rows:
+            penalty = torch.tensor([[p.repetition_penalty] for p in params], dtype=torch.float32, device=device)
+            repetition = (penalty, *_flatten(rep_rows, rep_lists, device))
+        freq_presence = None
+        if fp_rows:
+            freq = torch.tensor([[p.frequency_penalty] for p in params], dtype=torch.float32, device=device)
+            pres = torch.tensor([[p.presence_penalty] for p in params], dtype=torch.float32, device=device)
+            freq_presence = (freq, pres, *_flatten(fp_rows, fp_lists, device))
+
+        temperature = top_k = top_p = min_p = None
+        if sampled:
+            sp = [params[i] for i in sampled]
+            temperature = torch.tensor([[p.temperature] for p in sp], dtype=torch.float32, device=device)
+            if any(p.top_k > 0 for p in sp):
+                top_k = torch.tensor([p.top_k for p in sp], dtype=torch.long, device=device)
+            if any(p.top_p < 1.0 for p in sp):
+                top_p = torch.tensor([p.top_p for p in sp], dtype=torch.float32, device=device)
+            if any(p.min_p > 0.0 for p in sp):
+                min_p = torch.tensor([p.min_p for p in sp], dtype=torch.float32, device=device)
+
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs]
+        return cls(
+            num_rows=n,
+            all_greedy=not sampled,
+            sampled_rows=sampled,
+            bias=bias,
+            min_tokens_mask=min_tokens_mask,
+            repetition=repetition,
+            freq_presence=freq_presence,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            generators=[generators[i] for i in sampled],
+            logprob_rows=logprob_rows,
+            num_top_logprobs=[params[i].top_logprobs for i in logprob_rows],
+        )
+
+    @property
+    def needs_processing(self) -> bool:
+        """Whether any logits processor runs before greedy/sampled selection."""
+        return (self.bias is not None or self.min_tokens_mask is not None
+                or self.repetition is not None or self.freq_presence is not None)
+
+
+@dataclass
+class SamplerOutput:
+    """The chosen token per row, with logprobs for rows that asked (None elsewhere)."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]  # most likely first
+
+
+def apply_penalties_and_masks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Logit bias, min_tokens masking and repetition/frequency/presence penalties.
+
+    logits: [N, V] float32, a copy the caller owns (it may be modified in place); returns the
+    processed logits.
+    """
+    num_rows, vocab_size = logits.shape
+    if batch.bias is not None:
+        rows, ids, values = batch.bias
+        logits.index_put_((rows, ids), values, accumulate=True)
+    if batch.min_tokens_mask is not None:
+        rows, ids = batch.min_tokens_mask
+        logits[rows, ids] = float("-inf")
+    if batch.repetition is not None:
+        penalty, rows, ids = batch.repetition  # [N, 1], [M], [M]
+        seen = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=logits.device)  # [N, V]
+        seen[rows, ids] = True
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)  # [N, V]
+        logits = torch.where(seen, penalized, logits)
+    if batch.freq_presence is not None:
+        freq, pres, rows, ids = batch.freq_presence
+        counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=logits.device)  # [N, V]
+        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+        logits -= freq * counts + pres * (counts > 0).float()
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                            min_p: torch.Tensor | None) -> torch.Tensor:
+    """Sets the logits of tokens that top-k, then top-p, then min-p exclude to -inf.
+
+    logits: [S, V] float32, already divided by temperature. top_k [S] (0 = off), top_p [S],
+    min_p [S]; a None argument skips that filter. Returns the masked logits (a new tensor
+    or `logits` modified in place).
+    """
+    neg_inf = float("-inf")
+    if top_k is not None or top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V] each
+        vocab_size = logits.shape[-1]
+        if top_k is not None:
+            k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size)  # [S]
+            kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [S, 1]
+            # Ties with the k-th value stay: the set of survivors must not depend on sort order.
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, neg_inf)
+        if top_p is not None:
+            probs = sorted_logits.softmax(dim=-1)  # [S, V], top-k survivors renormalized
+            before = probs.cumsum(dim=-1) - probs  # [S, V] mass of strictly more likely tokens
+            # Keep the smallest prefix reaching top_p: a token stays while the mass before it
+            # is still short of top_p. The first token always stays.
+            # Rows with top_p == 1 drop nothing, even where float cumsum rounds past 1.
+            drop = (before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+            drop[:, 0] = False
+            sorted_logits = sorted_logits.masked_fill(drop, neg_inf)
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if min_p is not None:
+        probs = logits.softmax(dim=-1)  # [S, V]
+        threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [S, 1]
+        logits = logits.masked_fill(probs < threshold, neg_inf)
+    return logits
+
+
+class Sampler:
+    """`Sampler()(logits [N, V] float32, batch) -> SamplerOutput`. Never modifies `logits`.
+
+    A row with its own `torch.Generator` draws only from it (one [V] exponential-noise vector
+    per step), so a seeded request gives the same tokens whatever else is in the batch. Rows
+    without one share torch's default generator.
+    """
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, logits.shape
+        raw_logits = logits  # [N, V]
+        if batch.needs_processing:
+            logits = apply_penalties_and_masks(logits.clone(), batch)
+
+        token_ids = logits.argmax(dim=-1)  # [N]
+        if not batch.all_greedy:
+            sampled = self._sample(logits, batch)  # [S]
+            rows = torch.tensor(batch.sampled_rows, dtype=torch.long, device=logits.device)
+            token_ids = token_ids.index_copy(0, rows, sampled)
+
+        n = batch.num_rows
+        logprobs: list[float | None] = [None] * n
+        top_logprobs: list[list[tuple[int, float]] | None] = [None] * n
+        if batch.logprob_rows:
+            self._logprobs(raw_logits, token_ids, batch, logprobs, top_logprobs)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Draws one token per sampled row; returns [S] int64."""
+        rows = torch.tensor(batch.sampled_rows, dtype=torch.long, device=logits.device)
+        scaled = logits.index_select(0, rows) / batch.temperature  # [S, V]
+        scaled = apply_top_k_top_p_min_p(scaled, batch.top_k, batch.top_p, batch.min_p)
+        probs = scaled.softmax(dim=-1)  # [S, V]
+        # argmax(p / q) with q ~ Exp(1) picks token i with probability p_i (exponential race).
+        noise = torch.empty_like(probs)  # [S, V]
+        unseeded = [j for j, g in enumerate(batch.generators) if g is None]
+        if len(unseeded) == len(batch.generators):
+            noise.exponential_()
+        else:
+            for j, generator in enumerate(batch.generators):
+                if generator is not None:
+                    noise[j].exponential_(generator=generator)
+            if unseeded:
+                idx = torch.tensor(unseeded, dtype=torch.long, device=logits.device)
+                noise[idx] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+        return (probs / noise.clamp_min_(_MIN_NOISE)).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch,
+                  logprobs: list, top_logprobs: list) -> None:
+        """Fills logprobs of the chosen tokens and top alternatives from the raw logits."""
+        rows = torch.tensor(batch.logprob_rows, dtype=torch.long, device=raw_logits.device)
+        log_probs = raw_logits.index_select(0, rows).float().log_softmax(dim=-1)  # [R, V]
+        chosen = log_probs.gather(1, token_ids.index_select(0, rows).unsqueeze(1)).squeeze(1)  # [R]
+        max_top = max(batch.num_top_logprobs)
+        top_vals = top_ids = None
+        if max_top > 0:
+            top_vals, top_ids = log_probs.topk(min(max_top, log_probs.shape[1]), dim=-1)  # [R, K] each, most likely first
+            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        for j, (row, value) in enumerate(zip(batch.logprob_rows, chosen.tolist())):
+            logprobs[row] = value
+            k = batch.num_top_logprobs[j]
+            top_logprobs[row] = list(zip(top_ids[j][:k], top_vals[j][:k])) if k else []
