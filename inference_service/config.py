@@ -1,0 +1,92 @@
+"""Engine and server configuration, validated on construction. Built by `cli.py` alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16
+    # Cache size in MiB; None on CPU means 1024 MiB, on a GPU `gpu_memory_fraction` decides.
+    kv_cache_memory_mib: int | None = None
+    # Fraction of the device's free memory, after the model is loaded, given to the KV cache.
+    gpu_memory_fraction: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"--block-size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.kv_cache_memory_mib is not None and self.kv_cache_memory_mib <= 0:
+            raise ValueError(f"--kv-cache-memory must be > 0 MiB, got {self.kv_cache_memory_mib}")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Batching limits."""
+
+    max_num_seqs: int = 256  # sequences running at once
+    max_num_batched_tokens: int = 8192  # tokens computed per step (decodes + prefill chunks)
+    max_prefill_chunk: int = 8192  # longest prefill chunk of one sequence in one step
+    max_waiting_requests: int = 1024  # beyond this, new requests get RESOURCE_EXHAUSTED
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_waiting_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
+                f"--max-num-seqs ({self.max_num_seqs}) so every running sequence can decode each step"
+            )
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine needs to load a model and run it."""
+
+    model: str | None = None  # GGUF file or HF folder; None = the embedded SmolLM2
+    served_model_name: str | None = None
+    device: str = "auto"  # "cpu", "cuda", "cuda:N" or "auto"
+    dtype: str = "auto"  # "float32", "bfloat16", "float16" or "auto" (fp32 on CPU, bf16 on GPU)
+    max_model_len: int | None = None  # defaults to the model's context length
+    yarn_scaling_factor: float | None = None
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
+            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.yarn_scaling_factor is not None and self.yarn_scaling_factor <= 1.0:
+            raise ValueError(f"--yarn-scaling-factor must be > 1, got {self.yarn_scaling_factor}")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """The gRPC server around the engine."""
+
+    host: str = "0.0.0.0"
+    port: int = 50051
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP; None = off
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+    max_message_mib: int = 64
+    keepalive_time_s: float = 30.0
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.max_message_mib < 1:
+            raise ValueError(f"--max-message-size must be >= 1 MiB, got {self.max_message_mib}")

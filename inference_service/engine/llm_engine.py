@@ -1,0 +1,170 @@
+"""The synchronous engine: requests in, one `step()` at a time, completion deltas out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from inference_service.config import EngineConfig
+from inference_service.engine.block_manager import BlockManager
+from inference_service.engine.input_processor import InputProcessor
+from inference_service.engine.model_runner import ModelRunner
+from inference_service.engine.output_processor import OutputProcessor
+from inference_service.engine.request import CompletionDelta, EngineRequest, Usage
+from inference_service.engine.scheduler import Scheduler, SchedulerOutput
+from inference_service.engine.sequence import FinishReason, Sequence
+from inference_service.errors import InvalidRequestError
+from inference_service.metrics import EngineMetrics
+from inference_service.model.loader import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+    name = aliases.get(name, name)
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+@dataclass
+class _RequestState:
+    request: EngineRequest
+    seqs: list[Sequence]
+    num_finished: int = 0
+    first_token_time: float | None = None
+    num_cached_tokens: int = 0
+    last_token_time: float = field(default_factory=time.monotonic)
+
+
+class LLMEngine:
+    """Continuous batching over one model: `step()` = schedule -> run -> update_from_output."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, metrics: EngineMetrics | None = None):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.loaded = loaded or load_model(
+            config.model, device=self.device, dtype=self.dtype, yarn_scaling_factor=config.yarn_scaling_factor
+        )
+        self.tokenizer = self.loaded.tokenizer
+        model_len = self.loaded.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self.model_runner = ModelRunner(self.loaded, config.cache, self.device, self.dtype)
+        self.block_manager = BlockManager(
+            self.model_runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.loaded.config.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics = metrics or EngineMetrics(self.loaded.model_name)
+        self.requests: dict[str, _RequestState] = {}
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        # A sequence may not outgrow the whole cache, or preempting it could never make room.
+        self.max_seq_tokens = min(self.max_model_len, self.model_runner.num_blocks * config.cache.block_size)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queues a processed request as `params.n` sequences sharing its prompt's blocks."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already running", field="request_id")
+        params = request.params
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt >= self.max_seq_tokens:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt} tokens but the KV cache holds only {self.max_seq_tokens}",
+                field="input",
+            )
+        max_total = min(self.max_seq_tokens, num_prompt + (params.max_tokens or self.max_model_len))
+        seqs = []
+        for index in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(self.device).manual_seed(params.seed + index)
+            seq = Sequence(
+                request_id=request.request_id,
+                index=index,
+                token_ids=list(request.prompt_token_ids),
+                num_prompt_tokens=num_prompt,
+                params=params,
+                eos_token_ids=self.eos_token_ids,
+                max_total_tokens=max_total,
+                generator=generator,
+                arrival_time=request.arrival_time,
+            )
+            seqs.append(seq)
+            self.output_processor.add(seq)
+            self.scheduler.add(seq)
+        self.requests[request.request_id] = _RequestState(request, seqs)
+
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> list[CompletionDelta]:
+        """Ends every unfinished sequence of the request; returns their final deltas."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return []
+        deltas = []
+        for seq in state.seqs:
+            if seq.is_finished:
+                continue
+            self.scheduler.finish(seq, reason)
+            self.output_processor.remove(seq)
+            deltas.append(self._finish_delta(state, seq))
+        return deltas
+
+    def step(self) -> list[CompletionDelta]:
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return []
+        start = time.perf_counter()
+        sampled = self.model_runner.run(sched_out.scheduled)
+        self.metrics.on_step(sched_out, time.perf_counter() - start)
+        return self.update_from_output(sched_out, sampled)
+
+    def update_from_output(self, sched_out: SchedulerOutput, sampled: dict) -> list[CompletionDelta]:
+        token_ids = {seq_id: s.token_id for seq_id, s in sampled.items()}
+        deltas = []
+        now = time.monotonic()
+        for seq in self.scheduler.update_from_output(sched_out, token_ids):
+            state = self.requests[seq.request_id]
+            delta, stopped_by_string = self.output_processor.process(seq, sampled[seq.seq_id])
+            if stopped_by_string:
+                self.scheduler.finish(seq, FinishReason.STOP)
+            if state.first_token_time is None:
+                state.first_token_time = now
+                self.metrics.on_first_token(now - state.request.arrival_time, seq)
+            if seq.is_finished:
+                self._on_seq_finished(state, seq, delta)
+            deltas.append(delta)
+        self.metrics.on_scheduler_state(self.scheduler, self.block_manager)
+        return deltas
+
+    def _finish_delta(self, state: _RequestState, seq: Sequence) -> CompletionDelta:
+        delta = CompletionDelta(seq.request_id, seq.index, [], "", finish_reason=seq.finish_reason)
+        self._on_seq_finished(state, seq, delta)
+        return delta
+
+    def _on_seq_finished(self, state: _RequestState, seq: Sequence, delta: CompletionDelta) -> None:
+        state.num_finished += 1
+        if state.num_finished < len(state.seqs):
+            return
+        del self.requests[seq.request_id]
+        usage = Usage(
+            prompt_tokens=len(state.request.prompt_token_ids),
+            completion_tokens=sum(s.num_output_tokens for s in state.seqs),
+            cached_tokens=max(0, state.seqs[0].num_cached_tokens),
+        )
+        delta.usage = usage
+        self.metrics.on_request_finished(state.request, state.first_token_time, usage, seq.finish_reason)

@@ -1,0 +1,64 @@
+"""Turns sampled tokens into text deltas: incremental detokenization, stop strings, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from inference_service.engine.detokenizer import IncrementalDetokenizer
+from inference_service.engine.model_runner import SampledToken
+from inference_service.engine.request import CompletionDelta, TokenLogprob
+from inference_service.engine.sequence import FinishReason, Sequence
+from inference_service.engine.stop_checker import StopStringMatcher
+from inference_service.model.tokenizer import Tokenizer
+
+
+@dataclass
+class _SeqOutput:
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+
+
+class OutputProcessor:
+    """Keeps each running sequence's detokenizer and stop-string matcher."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._states: dict[int, _SeqOutput] = {}
+
+    def add(self, seq: Sequence) -> None:
+        self._states[seq.seq_id] = _SeqOutput(
+            IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens),
+            StopStringMatcher(seq.params.stop),
+        )
+
+    def remove(self, seq: Sequence) -> None:
+        self._states.pop(seq.seq_id, None)
+
+    def process(self, seq: Sequence, sampled: SampledToken) -> tuple[CompletionDelta, bool]:
+        """Makes the delta for the token just appended to `seq`.
+
+        Returns the delta and whether a stop string ended the sequence (the caller finishes it).
+        """
+        state = self._states[seq.seq_id]
+        token_id = seq.token_ids[-1]
+        text, matched_stop = state.stop_matcher.feed(state.detokenizer.append(token_id))
+        stopped_by_string = matched_stop is not None and not seq.is_finished
+        if matched_stop is not None:
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, matched_stop
+        elif seq.is_finished:
+            text += state.stop_matcher.flush()
+        logprobs = None
+        if sampled.logprob is not None:
+            logprobs = [TokenLogprob(token_id, sampled.logprob, sampled.top_logprobs or [])]
+        delta = CompletionDelta(
+            request_id=seq.request_id,
+            index=seq.index,
+            token_ids=[token_id],
+            text=text,
+            logprobs=logprobs,
+            finish_reason=seq.finish_reason if (seq.is_finished or stopped_by_string) else None,
+            stop_reason=seq.stop_reason,
+        )
+        if seq.is_finished or stopped_by_string:
+            self.remove(seq)
+        return delta, stopped_by_string

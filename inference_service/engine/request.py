@@ -1,0 +1,56 @@
+"""What goes into the engine (a request) and what comes out (per-completion deltas)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from inference_service.engine.sampling_params import SamplingParams
+from inference_service.engine.sequence import FinishReason
+from inference_service.errors import EngineError
+
+
+@dataclass
+class EngineRequest:
+    """A tokenized, validated generation request."""
+
+    request_id: str  # unique inside the engine
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]  # (token_id, logprob), most likely first
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """New output of one completion since its previous delta.
+
+    The request's last delta (after all of its `n` completions finished) carries `usage`.
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+    error: EngineError | None = None
+
+    @property
+    def is_last(self) -> bool:
+        return self.usage is not None

@@ -1,0 +1,140 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from inference_service.config import SchedulerConfig
+from inference_service.engine.block_manager import BlockManager
+from inference_service.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed for this sequence in the step
+    is_sampling: bool  # the step computes its last token, so it samples the next one
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Builds each step under a token budget: running sequences first (one token each when
+    decoding, a chunk when still prefilling), then waiting sequences in arrival order.
+
+    When blocks run out, the most recently arrived running sequence is preempted by recompute:
+    its blocks are freed (they stay in the prefix cache) and it goes back to the front of the
+    waiting queue, to be prefilled again over its prompt and output so far.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunk = self.config.max_prefill_chunk
+
+        # Running sequences, oldest first; victims of preemption come from the back.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget, chunk)
+            while not self.block_manager.allocate_slots(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self._add_scheduled(out, seq, num_new)
+                budget -= num_new
+                i += 1
+
+        # Waiting sequences, first come first served; none after a preemption this step.
+        while (
+            self.waiting
+            and budget > 0
+            and not out.preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            num_new = min(seq.num_uncomputed_tokens, budget, chunk)
+            if not self.block_manager.allocate_slots(seq, num_new):
+                break
+            self.waiting.popleft()
+            num_new = min(num_new, seq.num_uncomputed_tokens)  # prefix hits shrink the work
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_scheduled(out, seq, num_new)
+            budget -= num_new
+        return out
+
+    def _add_scheduled(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        num_computed_after = seq.num_computed_tokens + num_new
+        self.block_manager.commit_full_blocks(seq, num_computed_after)
+        out.scheduled.append(ScheduledSeq(seq, num_new, num_computed_after == len(seq.token_ids)))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Advances the scheduled sequences by the step's results.
+
+        `sampled` maps `seq_id` to the token sampled for it. Returns the sequences that received
+        a token (finished ones included, with their finish reason set and blocks freed).
+        """
+        advanced: list[Sequence] = []
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += s.num_new_tokens
+            if not s.is_sampling:
+                continue
+            seq.append_token(sampled[seq.seq_id])
+            advanced.append(seq)
+            if seq.check_finished():
+                self.finish(seq, seq.finish_reason)
+        return advanced
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Ends a sequence: frees its blocks and drops it from the queues."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,102 @@
+"""One completion's tokens and scheduling state."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from inference_service.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """The tokens of one completion (prompt + output) and where its KV cache lives.
+
+    `num_computed_tokens` counts tokens whose K/V are in the cache. A sequence is caught up when
+    every token but the newest sampled one is computed; a step that computes its last token
+    samples the next one::
+
+        token_ids:  [ prompt ............ | output ...... ]
+                    [ computed (KV in cache) ....... | to compute ]
+                                                     ^ num_computed_tokens
+    """
+
+    request_id: str
+    index: int  # which of the request's n completions
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_total_tokens: int  # prompt + output may not exceed this (context window / max_tokens)
+    generator: torch.Generator | None = None
+    arrival_time: float = 0.0
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
+    num_preemptions: int = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def check_finished(self) -> bool:
+        """Applies the token-level stop rules to the newest token; sets the finish reason."""
+        last = self.token_ids[-1]
+        params = self.params
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.finish_reason, self.stop_reason = FinishReason.STOP, None
+                return True
+            if last in params.stop_token_ids:
+                self.finish_reason, self.stop_reason = FinishReason.STOP, last
+                return True
+        if len(self.token_ids) >= self.max_total_tokens:
+            self.finish_reason = FinishReason.LENGTH
+            return True
+        return False
