@@ -1,0 +1,112 @@
+"""`inference-service serve ...`: the one place that turns command-line flags into configs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from inference_service.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="inference-service", description="LLM inference engine over gRPC.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser(
+        "serve", help="serve a model over gRPC", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Serve a model over gRPC (InferenceService, grpc.health.v1, server reflection).",
+    )
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None,
+                   help="GGUF file or Hugging Face safetensors folder; default: the embedded SmolLM2-135M-Instruct")
+    m.add_argument("--served-model-name", default=None, help="name clients use; default: derived from the model")
+    m.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    m.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
+    m.add_argument("--max-model-len", type=int, default=None, help="context length; default: the model's")
+    m.add_argument("--yarn-scaling-factor", type=float, default=None,
+                   help="turn on YaRN rope scaling with this factor (extends the context by that much)")
+    m.add_argument("--seed", type=int, default=0, help="seed of the engine's shared random generator")
+    c = p.add_argument_group("KV cache")
+    c.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    c.add_argument("--kv-cache-memory", type=int, default=None, dest="kv_cache_memory_mib",
+                   help="KV-cache size in MiB; default 1024 on CPU, --gpu-memory-fraction on a GPU")
+    c.add_argument("--gpu-memory-fraction", type=float, default=0.9,
+                   help="fraction of free GPU memory after loading the model given to the KV cache")
+    c.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
+                   help="do not share KV blocks between requests with identical prompt prefixes")
+    s = p.add_argument_group("scheduler")
+    s.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
+    s.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
+    s.add_argument("--prefill-chunk-size", type=int, default=8192, dest="max_prefill_chunk",
+                   help="longest prefill chunk of one sequence in one step (chunked prefill)")
+    s.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="waiting-queue bound; beyond it new requests get RESOURCE_EXHAUSTED")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    g.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
+    g.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics over HTTP on this port")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    g.add_argument("--max-message-size", type=int, default=64, dest="max_message_mib",
+                   help="largest gRPC message in MiB")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    engine = EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        yarn_scaling_factor=args.yarn_scaling_factor,
+        seed=args.seed,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory_mib=args.kv_cache_memory_mib,
+            gpu_memory_fraction=args.gpu_memory_fraction,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_prefill_chunk=args.max_prefill_chunk,
+            max_waiting_requests=args.max_waiting_requests,
+        ),
+    )
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        shutdown_timeout=args.shutdown_timeout,
+        max_message_mib=args.max_message_mib,
+    )
+    return engine, server
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    try:
+        engine_config, server_config = configs_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    import torch
+
+    from inference_service.server import serve
+
+    torch.manual_seed(engine_config.seed)
+    try:
+        asyncio.run(serve(engine_config, server_config))
+    except (ValueError, FileNotFoundError, OSError) as e:
+        logging.getLogger("inference_service").error("cannot start: %s", e)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

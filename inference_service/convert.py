@@ -1,0 +1,140 @@
+"""Conversion between protobuf messages and engine types, and nothing else."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from inference_service.api import pb
+from inference_service.engine.input_processor import ChatPrompt
+from inference_service.engine.request import CompletionDelta
+from inference_service.engine.sampling_params import SamplingParams
+from inference_service.engine.sequence import FinishReason
+from inference_service.errors import EngineError, InvalidRequestError
+from inference_service.model.tokenizer import Tokenizer
+
+_FINISH_REASONS = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+
+
+def _optional(msg: Any, name: str, default: Any) -> Any:
+    return getattr(msg, name) if msg.HasField(name) else default
+
+
+def sampling_params_from_proto(start: pb.StartGeneration) -> SamplingParams:
+    s, st = start.sampling, start.stopping
+    return SamplingParams(
+        temperature=_optional(s, "temperature", 1.0),
+        top_p=_optional(s, "top_p", 1.0),
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=_optional(s, "repetition_penalty", 1.0),
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
+        logit_bias=dict(s.logit_bias),
+        seed=_optional(s, "seed", None),
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
+        max_tokens=_optional(st, "max_tokens", None),
+        min_tokens=st.min_tokens,
+        stop=list(st.stop),
+        stop_token_ids=list(st.stop_token_ids),
+        ignore_eos=st.ignore_eos,
+        n=start.n or 1,
+        skip_special_tokens=_optional(start, "skip_special_tokens", True),
+    )
+
+
+def _tool_call_to_dict(call: pb.ToolCall, field_path: str) -> dict[str, Any]:
+    arguments: Any = call.arguments_json or "{}"
+    try:
+        # Templates index into the arguments (`arguments.items()`), so give them the object.
+        arguments = json.loads(arguments)
+    except json.JSONDecodeError:
+        raise InvalidRequestError(
+            f"{field_path}.arguments_json is not valid JSON: {call.arguments_json!r}", field=f"{field_path}.arguments_json"
+        ) from None
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
+
+
+def chat_from_proto(chat: pb.ChatInput) -> ChatPrompt:
+    messages = []
+    for i, m in enumerate(chat.messages):
+        path = f"chat.messages[{i}]"
+        if m.role not in ("system", "user", "assistant", "tool", "developer"):
+            raise InvalidRequestError(
+                f"{path}.role must be one of system, user, assistant, tool, developer; got {m.role!r}",
+                field=f"{path}.role",
+            )
+        message: dict[str, Any] = {"role": m.role, "content": m.content if m.HasField("content") else None}
+        if message["content"] is None and not m.tool_calls:
+            raise InvalidRequestError(f"{path}.content is required for a {m.role} message", field=f"{path}.content")
+        if m.name:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [_tool_call_to_dict(c, f"{path}.tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
+    return ChatPrompt(
+        messages=messages,
+        tools_json=chat.tools_json,
+        add_generation_prompt=_optional(chat, "add_generation_prompt", True),
+        continue_final_message=chat.continue_final_message,
+        template_kwargs_json=chat.chat_template_kwargs_json,
+    )
+
+
+def prompt_from_proto(start: pb.StartGeneration) -> str | list[int] | ChatPrompt:
+    kind = start.WhichOneof("input")
+    if kind == "text":
+        return start.text
+    if kind == "token_ids":
+        return list(start.token_ids.ids)
+    if kind == "chat":
+        return chat_from_proto(start.chat)
+    raise InvalidRequestError("the request has no input: set text, token_ids or chat", field="input")
+
+
+def error_to_proto(exc: EngineError) -> pb.Error:
+    return pb.Error(code=exc.code.value[0], message=exc.message, field=exc.field or "")
+
+
+def error_response(request_id: str, exc: EngineError) -> pb.GenerateResponse:
+    return pb.GenerateResponse(request_id=request_id, finish_reason=pb.FINISH_REASON_ERROR, error=error_to_proto(exc))
+
+
+def delta_to_proto(request_id: str, delta: CompletionDelta, tokenizer: Tokenizer) -> pb.GenerateResponse:
+    """`request_id` is the client's id (the engine's own id is unique across streams)."""
+    response = pb.GenerateResponse(
+        request_id=request_id,
+        index=delta.index,
+        token_ids=delta.token_ids,
+        text=delta.text,
+        finish_reason=_FINISH_REASONS[delta.finish_reason],
+    )
+    if delta.stop_reason is not None:
+        response.stop_reason = str(delta.stop_reason)
+    if delta.logprobs:
+        for lp in delta.logprobs:
+            entry = response.logprobs.add(
+                token_id=lp.token_id, token=tokenizer.decode([lp.token_id], skip_special_tokens=False),
+                token_bytes=tokenizer.token_bytes(lp.token_id), logprob=lp.logprob,
+            )
+            for token_id, logprob in lp.top_logprobs:
+                entry.top_logprobs.add(
+                    token_id=token_id, token=tokenizer.decode([token_id], skip_special_tokens=False),
+                    token_bytes=tokenizer.token_bytes(token_id), logprob=logprob,
+                )
+    if delta.usage is not None:
+        u = delta.usage
+        response.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                                         cached_tokens=u.cached_tokens))
+    if delta.error is not None:
+        response.error.CopyFrom(error_to_proto(delta.error))
+    return response

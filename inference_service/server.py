@@ -1,0 +1,150 @@
+"""The gRPC server: InferenceService, health, reflection, metrics, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from inference_service.api import pb, pb_grpc
+from inference_service.config import EngineConfig, ServerConfig
+from inference_service.engine.async_engine import AsyncEngine
+from inference_service.engine.llm_engine import LLMEngine
+from inference_service.errors import EngineError
+from inference_service.servicer import InferenceServicer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The one place that maps exceptions to gRPC statuses."""
+    if isinstance(exc, EngineError):
+        return exc.code, exc.message
+    logger.exception("unexpected error in a handler", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
+    """Ends an InferenceService call that raised with the status `status_for` gives."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        if handler.unary_unary is not None:
+            behavior = handler.unary_unary
+
+            async def unary(request, context):
+                try:
+                    return await behavior(request, context)
+                except Exception as e:  # noqa: BLE001 - mapped, never swallowed
+                    await context.abort(*status_for(e))
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_stream is not None:
+            stream_behavior = handler.stream_stream
+
+            async def stream(request_iterator, context):
+                try:
+                    async for response in stream_behavior(request_iterator, context):
+                        yield response
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    await context.abort(*status_for(e))
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+
+class EngineServer:
+    """Owns the engine and its gRPC server; `start()`, then `wait_for_shutdown()`."""
+
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, llm: LLMEngine | None = None):
+        self.server_config = server_config
+        self.llm = llm or LLMEngine(engine_config)
+        self.model_name = engine_config.served_model_name or self.llm.loaded.model_name
+        self.engine = AsyncEngine(self.llm)
+        self.health = health.aio.HealthServicer()
+        self.port: int | None = None
+        self._shutdown = asyncio.Event()
+        mib = server_config.max_message_mib * 2**20
+        keepalive_ms = int(server_config.keepalive_time_s * 1000)
+        self.server = grpc.aio.server(
+            interceptors=[ExceptionToStatusInterceptor()],
+            options=[
+                ("grpc.max_receive_message_length", mib),
+                ("grpc.max_send_message_length", mib),
+                ("grpc.keepalive_time_ms", keepalive_ms),
+                ("grpc.keepalive_timeout_ms", 10_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+            ],
+        )
+        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.engine, self.model_name), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self.server,
+        )
+
+    async def start(self) -> int:
+        cfg = self.server_config
+        self.engine.start()
+        self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
+        await self.server.start()
+        if cfg.metrics_port is not None:
+            start_http_server(cfg.metrics_port, addr=cfg.host)
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        logger.info("serving %s on %s:%d", self.model_name, cfg.host, self.port)
+        return self.port
+
+    def request_shutdown(self) -> None:
+        self._shutdown.set()
+
+    async def wait_for_shutdown(self) -> None:
+        await self._shutdown.wait()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """Drains: NOT_SERVING first, no new requests, in-flight ones get `shutdown_timeout`."""
+        timeout = self.server_config.shutdown_timeout
+        logger.info("shutting down: draining %d requests (up to %.0fs)", self.engine.num_active_requests, timeout)
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.engine.is_draining = True
+        deadline = time.monotonic() + timeout
+        while self.engine.num_active_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.engine.stop()  # aborts whatever did not finish in time
+        await self.server.stop(grace=1.0)
+        logger.info("shut down")
+
+
+async def serve(engine_config: EngineConfig, server_config: ServerConfig,
+                on_started: Callable[[EngineServer], Awaitable[None]] | None = None) -> None:
+    """Runs the server until SIGTERM or SIGINT, then shuts down gracefully."""
+    server = EngineServer(engine_config, server_config)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.request_shutdown)
+    if on_started is not None:
+        await on_started(server)
+    await server.wait_for_shutdown()
