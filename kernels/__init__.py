@@ -1,0 +1,35 @@
+"""Triton kernels for the GPU path, each with a plain torch `*_ref` used by its tests.
+
+KV cache layout per layer: k_cache, v_cache each [num_blocks, block_size, num_kv_heads, head_dim],
+in the activation dtype or fp8 e4m3 (`FP8_DTYPE`) with a per-layer scale. See kernels/README.md.
+"""
+
+from kernels._common import FP8_DTYPE, FP8_MAX
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.decode_attention import choose_num_kv_splits, paged_decode_attention, paged_decode_attention_ref
+from kernels.kv_write import quantize_fp8_ref, write_kv_cache, write_kv_cache_ref
+from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from kernels.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_ref
+from kernels.rotary import apply_rotary, build_cos_sin_cache, rope_inv_freq, rotary_ref
+
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "apply_rotary",
+    "build_cos_sin_cache",
+    "choose_num_kv_splits",
+    "fused_add_rms_norm",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "paged_prefill_attention",
+    "paged_prefill_attention_ref",
+    "quantize_fp8_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "rope_inv_freq",
+    "rotary_ref",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+    "write_kv_cache",
+    "write_kv_cache_ref",
+]

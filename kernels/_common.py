@@ -1,0 +1,82 @@
+"""Small helpers shared by the kernel launchers: argument checks and device facts."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, FP8_DTYPE)
+ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LOG2E = 1.4426950408889634
+
+
+def is_interpreter() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (read at call time, not import)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def require_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    require(t.dtype in allowed, f"{name}: dtype {t.dtype} not in {allowed}")
+
+
+def require_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    require(tuple(t.shape) == tuple(shape), f"{name}: shape {tuple(t.shape)} != expected {tuple(shape)}")
+
+
+def require_same_device(**tensors: torch.Tensor) -> None:
+    devices = {t.device for t in tensors.values()}
+    require(len(devices) == 1, f"tensors on different devices: { {k: str(v.device) for k, v in tensors.items()} }")
+
+
+def require_inner_contiguous(name: str, t: torch.Tensor) -> None:
+    require(t.stride(-1) == 1, f"{name}: last dimension must be contiguous (stride {t.stride(-1)})")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # NOTE: tl.dot on fp32 operands uses tf32 by default on the GPU (~3e-4 relative error); the
+    # fp32 path is the reference-quality path, so it asks for full IEEE products.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessor count of a CUDA device; a nominal 132 (H100) elsewhere."""
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 132
+
+
+def dot_upcast() -> bool:
+    """Whether tl.dot operands must be upcast to fp32 first.
+
+    NOTE: the Triton interpreter computes bf16 tl.dot wrongly (numpy has no bf16), so there
+    operands are upcast; the values (and the fp32 accumulation) stay those of the GPU path."""
+    return is_interpreter()
+
+
+@triton.jit
+def mma(a, b, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b with fp32 accumulation."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PREC)

@@ -1,0 +1,429 @@
+"""Paged decode attention: one query token per sequence over its paged K/V.
+
+Split-KV in two passes::
+
+    pass 1, grid (num_seqs, num_kv_heads, num_splits):
+        one program = one sequence x one KV head x one slice of the context. It serves every
+        query head of the KV head's group at once (a [BLOCK_H, D] query tile), so each K/V tile
+        is read from memory once per group, and writes a partial output plus its log-sum-exp.
+    pass 2, grid (num_seqs, num_q_heads):
+        merges the num_splits partials by their log-sum-exp weights.
+
+With num_splits == 1 pass 1 writes the final output and pass 2 is skipped.
+
+    context of a sequence, split into num_splits slices of whole BLOCK_N tiles:
+    [ tile | tile | tile | tile | tile | tile | tile ]   (last tile partial: masked)
+    [ split 0    ][ split 1    ][ split 2    ][ 3 ]       (trailing splits may be empty)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import (
+    ACT_DTYPES,
+    CACHE_DTYPES,
+    FP8_DTYPE,
+    dot_precision,
+    dot_upcast,
+    is_interpreter,
+    mma,
+    next_pow2,
+    num_sms,
+    require,
+    require_dtype,
+    require_inner_contiguous,
+    require_same_device,
+    require_shape,
+)
+
+_LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+MAX_KV_SPLITS = 64
+MIN_TOKENS_PER_SPLIT = 128
+
+
+@triton.jit
+def _tanh(x):
+    # NOTE: written through the sigmoid so that it runs the same in the interpreter and on the GPU.
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [num_seqs, num_q_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    block_tables_ptr,  # [num_seqs, max_num_blocks] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    out_ptr,  # [num_seqs, num_q_heads, head_dim]          (NUM_SPLITS == 1)
+    part_o_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS, head_dim] fp32 (NUM_SPLITS > 1)
+    part_lse_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] fp32, log2 domain
+    sm_scale,  # softmax scale times the K dequant scale
+    soft_cap,
+    v_scale,
+    window,
+    stride_q_seq,
+    stride_q_head,
+    stride_k_block,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_block,
+    stride_v_tok,
+    stride_v_head,
+    stride_bt_seq,
+    stride_o_seq,
+    stride_o_head,
+    stride_po_seq,
+    stride_po_head,
+    stride_po_split,
+    stride_pl_seq,
+    stride_pl_head,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first = seq_len * 0  # first key the query may see
+    if USE_WINDOW:
+        first = tl.maximum(seq_len - window, 0)
+    start = (first // BLOCK_N) * BLOCK_N
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - start, BLOCK_N), NUM_SPLITS)
+    lo = start + split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + offs_h
+    h_mask = offs_h < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_H, BLOCK_D]
+
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    k_base = k_cache_ptr + kv_head * stride_k_head
+    v_base = v_cache_ptr + kv_head * stride_v_head
+
+    # NOTE: a finite floor for the running max keeps exp2(m_old - m_new) defined when a tile is
+    # fully masked; masked scores are -inf and contribute exactly 0.
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+
+    for n in range(lo, hi, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        valid = offs_n < hi
+        if USE_WINDOW:
+            valid = valid & (offs_n >= first)
+        block = tl.load(bt_row + offs_n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        in_page = offs_n % PAGE_SIZE
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_base + (block * stride_k_block + in_page * stride_k_tok)[:, None] + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(q.dtype)
+        s = mma(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_PREC, UPCAST)  # [BLOCK_H, BLOCK_N]
+        if USE_SOFT_CAP:
+            s = (soft_cap * _LOG2E) * _tanh(s * (sm_scale / soft_cap))
+        else:
+            s = s * (sm_scale * _LOG2E)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + (block * stride_v_block + in_page * stride_v_tok)[:, None] + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(q.dtype)
+        acc = mma(p.to(q.dtype), v, acc * alpha[:, None], DOT_PREC, UPCAST)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    hd_mask = h_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        o = o * v_scale
+        tl.store(
+            out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=hd_mask,
+        )
+    else:
+        po = part_o_ptr + seq.to(tl.int64) * stride_po_seq + split * stride_po_split
+        tl.store(po + heads[:, None] * stride_po_head + offs_d[None, :], o, mask=hd_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    v_scale,
+    stride_po_seq,
+    stride_po_head,
+    stride_po_split,
+    stride_pl_seq,
+    stride_pl_head,
+    stride_o_seq,
+    stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+
+    lse = tl.load(part_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + offs_s)  # [NUM_SPLITS]
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    denom = tl.where(denom > 0.0, denom, 1.0)
+    o = tl.load(
+        part_o_ptr + seq * stride_po_seq + head * stride_po_head + offs_s[:, None] * stride_po_split + offs_d[None, :],
+        mask=d_mask[None, :],
+        other=0.0,
+    )  # [NUM_SPLITS, BLOCK_D]
+    o = tl.sum(o * w[:, None], 0) * (v_scale / denom)
+    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """A power-of-two split count that gives the GPU about four programs per multiprocessor.
+
+    Fixed for a CUDA-graph capture: pass the result as `num_kv_splits` for every replay (the
+    kernel divides each sequence's own context into that many slices)."""
+    programs = max(num_seqs * num_kv_heads, 1)
+    by_occupancy = max(1, (4 * num_sms(device)) // programs)
+    by_length = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
+    splits = min(by_occupancy, by_length, MAX_KV_SPLITS)
+    return 1 << (splits.bit_length() - 1)  # round down to a power of two
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_q_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the query token
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,  # [num_seqs, num_q_heads, head_dim]
+    max_seq_len: int | None = None,
+    num_kv_splits: int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Attention of each sequence's single query token over its whole paged context.
+
+    Query head h reads KV head h // (num_q_heads // num_kv_heads). Keys are `seq_lens[i]` tokens,
+    the query being the last of them (its K/V must already be in the cache). `sliding_window=W`
+    keeps the last W keys; `soft_cap=c` maps scores s to c * tanh(s / c) (Gemma 2). With an fp8
+    (e4m3) cache, stored values are multiplied by `k_scale` / `v_scale`.
+
+    `num_kv_splits` (a power of two <= 64) defaults to `choose_num_kv_splits(...)`, which needs
+    `max_seq_len`; without either the launcher reads `seq_lens.max()` (a device sync: pass one of
+    them under CUDA-graph capture). `block_n`, `num_warps`, `num_stages` override the tile config.
+    """
+    require(q.dim() == 3, f"q: expected [num_seqs, num_q_heads, head_dim], got {tuple(q.shape)}")
+    num_seqs, num_q_heads, head_dim = q.shape
+    require(k_cache.dim() == 4, f"k_cache: expected 4 dims, got {tuple(k_cache.shape)}")
+    num_blocks, page_size, num_kv_heads, _ = k_cache.shape
+    require_shape("k_cache", k_cache, (num_blocks, page_size, num_kv_heads, head_dim))
+    require_shape("v_cache", v_cache, tuple(k_cache.shape))
+    require(num_q_heads % num_kv_heads == 0, f"num_q_heads {num_q_heads} not a multiple of num_kv_heads {num_kv_heads}")
+    require(head_dim in (64, 80, 96, 128, 256) or is_interpreter(), f"head_dim {head_dim} unsupported")
+    require(block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, f"block_tables: shape {tuple(block_tables.shape)}")
+    require_shape("seq_lens", seq_lens, (num_seqs,))
+    require_dtype("q", q, ACT_DTYPES)
+    require_dtype("k_cache", k_cache, CACHE_DTYPES)
+    require(v_cache.dtype == k_cache.dtype, "v_cache and k_cache dtypes differ")
+    require(k_cache.dtype in (q.dtype, FP8_DTYPE), f"k_cache dtype {k_cache.dtype} must be q's ({q.dtype}) or fp8")
+    require_dtype("block_tables", block_tables, (torch.int32,))
+    require_dtype("seq_lens", seq_lens, (torch.int32,))
+    require(seq_lens.is_contiguous() and block_tables.stride(1) == 1, "seq_lens and block_tables rows must be contiguous")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        require_inner_contiguous(name, t)
+    require(sliding_window is None or sliding_window > 0, "sliding_window must be positive")
+    require(soft_cap is None or soft_cap > 0, "soft_cap must be positive")
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        require_shape("out", out, tuple(q.shape))
+        require(out.dtype in ACT_DTYPES, f"out: dtype {out.dtype}")
+        require_inner_contiguous("out", out)
+    require_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens, out=out)
+    if num_seqs == 0:
+        return out
+
+    if num_kv_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max().item())
+        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
+    require(
+        1 <= num_kv_splits <= MAX_KV_SPLITS and num_kv_splits & (num_kv_splits - 1) == 0,
+        f"num_kv_splits {num_kv_splits} must be a power of two in [1, {MAX_KV_SPLITS}]",
+    )
+
+    group = num_q_heads // num_kv_heads
+    block_d = next_pow2(head_dim)
+    block_h = max(16, next_pow2(group))
+    if is_interpreter():
+        block_n = block_n or 16
+    else:
+        block_n = block_n or (64 if q.dtype != torch.float32 else 32)
+        num_warps = num_warps or 4
+        num_stages = num_stages or 2
+    launch_opts = {} if is_interpreter() else {"num_warps": num_warps, "num_stages": num_stages}
+
+    if num_kv_splits > 1:
+        part_o = torch.empty((num_seqs, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_seqs, num_q_heads, num_kv_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_o,
+        part_lse,
+        float(scale) * float(k_scale),
+        float(soft_cap or 1.0),
+        float(v_scale),
+        int(sliding_window or 0),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        part_o.stride(0) if num_kv_splits > 1 else 0,
+        part_o.stride(1) if num_kv_splits > 1 else 0,
+        part_o.stride(2) if num_kv_splits > 1 else 0,
+        part_lse.stride(0) if num_kv_splits > 1 else 0,
+        part_lse.stride(1) if num_kv_splits > 1 else 0,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        PAGE_SIZE=page_size,
+        NUM_SPLITS=num_kv_splits,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFT_CAP=soft_cap is not None,
+        DOT_PREC=dot_precision(q.dtype),
+        UPCAST=dot_upcast(),
+        **launch_opts,
+    )
+    if num_kv_splits > 1:
+        _decode_merge_kernel[(num_seqs, num_q_heads)](
+            part_o,
+            part_lse,
+            out,
+            float(v_scale),
+            part_o.stride(0),
+            part_o.stride(1),
+            part_o.stride(2),
+            part_lse.stride(0),
+            part_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            NUM_SPLITS=num_kv_splits,
+        )
+    return out
+
+
+def gather_context_ref(
+    cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, scale: float = 1.0
+) -> torch.Tensor:
+    """The first `num_tokens` tokens of one sequence's paged K or V, as float64 [num_tokens, H, D]."""
+    page_size = cache.shape[1]
+    num_pages = -(-num_tokens // page_size)
+    pages = cache[block_table[:num_pages].long()]  # [pages, page_size, H, D]
+    return pages.reshape(-1, cache.shape[2], cache.shape[3])[:num_tokens].to(torch.float64) * scale
+
+
+def attention_ref(
+    q: torch.Tensor,  # [num_queries, Hq, D] float64
+    k: torch.Tensor,  # [num_keys, Hkv, D] float64
+    v: torch.Tensor,
+    q_positions: torch.Tensor,  # [num_queries] absolute positions among the keys
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Causal softmax attention in float64: query at position p sees keys j <= p (and p - j < W)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if soft_cap is not None:
+        s = soft_cap * torch.tanh(s / soft_cap)
+    key_pos = torch.arange(k.shape[0], device=q.device)
+    allowed = key_pos[None, :] <= q_positions[:, None]
+    if sliding_window is not None:
+        allowed &= (q_positions[:, None] - key_pos[None, :]) < sliding_window
+    s = s.masked_fill(~allowed[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Plain torch paged decode attention in float64; returns float64 [num_seqs, Hq, D]."""
+    outs = []
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        k = gather_context_ref(k_cache, block_tables[i], seq_len, k_scale)
+        v = gather_context_ref(v_cache, block_tables[i], seq_len, v_scale)
+        pos = torch.tensor([seq_len - 1], device=q.device)
+        outs.append(attention_ref(q[i : i + 1].to(torch.float64), k, v, pos, scale, sliding_window, soft_cap))
+    return torch.cat(outs) if outs else q.new_empty(q.shape, dtype=torch.float64)

@@ -1,0 +1,251 @@
+"""Rotary position embedding, applied in place to q and k, and the cos/sin cache it reads.
+
+The cache row for position p is `[cos(p * f_0..f_{r/2-1}) | sin(...)]` (r = rotary_dim <= head_dim),
+scaled by the rope kind's attention factor. Pairs rotated, with x' = x1 * cos - x2 * sin and
+y' = x2 * cos + x1 * sin::
+
+    neox:  (x[i], x[i + r/2])     first half against second half
+    gpt-j: (x[2i], x[2i + 1])     interleaved
+
+Dimensions past rotary_dim are left as they are.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import (
+    ACT_DTYPES,
+    is_interpreter,
+    next_pow2,
+    require,
+    require_dtype,
+    require_inner_contiguous,
+    require_same_device,
+)
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,
+    token,
+    stride_tok,
+    stride_head,
+    cos,
+    sin,
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_i = tl.arange(0, BLOCK_HALF)
+    if IS_NEOX:
+        i1 = offs_i
+        i2 = offs_i + HALF
+    else:
+        i1 = 2 * offs_i
+        i2 = 2 * offs_i + 1
+    mask = (offs_h < NUM_HEADS)[:, None] & (offs_i < HALF)[None, :]
+    row = x_ptr + token * stride_tok + offs_h[:, None] * stride_head
+    x1 = tl.load(row + i1[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row + i2[None, :], mask=mask, other=0.0).to(tl.float32)
+    y1 = x1 * cos[None, :] - x2 * sin[None, :]
+    y2 = x2 * cos[None, :] + x1 * sin[None, :]
+    tl.store(row + i1[None, :], y1.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(row + i2[None, :], y2.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr,  # [num_tokens, num_q_heads, head_dim]
+    k_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    positions_ptr,  # [num_tokens]
+    cos_sin_ptr,  # [max_position, rotary_dim]
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_cs,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    HAS_K: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs_i = tl.arange(0, BLOCK_HALF)
+    i_mask = offs_i < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_i, mask=i_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_i, mask=i_mask, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, token, stride_q_tok, stride_q_head, cos, sin, NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF, IS_NEOX)
+    if HAS_K:
+        _rotate_heads(k_ptr, token, stride_k_tok, stride_k_head, cos, sin, NUM_KV_HEADS, HALF, BLOCK_HK, BLOCK_HALF, IS_NEOX)
+
+
+def apply_rotary(
+    q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], rotated in place
+    k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    positions: torch.Tensor,  # [num_tokens] int64 or int32
+    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim]
+    *,
+    is_neox: bool = True,
+) -> None:
+    """Rotate the first `rotary_dim` dims of every head of q (and k) by its token's position.
+
+    Positions must lie in [0, max_position). q and k may be strided views (e.g. of a fused qkv
+    output); the last dim must be contiguous."""
+    require(q.dim() == 3, f"q: expected [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    require(cos_sin_cache.dim() == 2, f"cos_sin_cache: expected [max_position, rotary_dim], got {tuple(cos_sin_cache.shape)}")
+    rotary_dim = cos_sin_cache.shape[1]
+    require(rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim, f"rotary_dim {rotary_dim} must be even and <= head_dim {head_dim}")
+    require_dtype("q", q, ACT_DTYPES)
+    require_dtype("cos_sin_cache", cos_sin_cache, ACT_DTYPES)
+    require(cos_sin_cache.stride(1) == 1, "cos_sin_cache rows must be contiguous")
+    require(positions.shape == (num_tokens,), f"positions: shape {tuple(positions.shape)} != ({num_tokens},)")
+    require_dtype("positions", positions, (torch.int64, torch.int32))
+    require(positions.is_contiguous(), "positions must be contiguous")
+    require_inner_contiguous("q", q)
+    num_kv_heads = 1
+    if k is not None:
+        require(k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, f"k: shape {tuple(k.shape)}")
+        require(k.dtype == q.dtype, "q and k dtypes differ")
+        require_inner_contiguous("k", k)
+        num_kv_heads = k.shape[1]
+        require_same_device(q=q, k=k, positions=positions, cos_sin_cache=cos_sin_cache)
+    else:
+        require_same_device(q=q, positions=positions, cos_sin_cache=cos_sin_cache)
+    if num_tokens == 0:
+        return
+    half = rotary_dim // 2
+    opts = {} if is_interpreter() else {"num_warps": 4}
+    _rotary_kernel[(num_tokens,)](
+        q,
+        k if k is not None else q,
+        positions,
+        cos_sin_cache,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0) if k is not None else 0,
+        k.stride(1) if k is not None else 0,
+        cos_sin_cache.stride(0),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HALF=half,
+        BLOCK_HQ=next_pow2(num_q_heads),
+        BLOCK_HK=next_pow2(num_kv_heads),
+        BLOCK_HALF=next_pow2(half),
+        IS_NEOX=is_neox,
+        HAS_K=k is not None,
+        **opts,
+    )
+
+
+def rotary_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, *, is_neox: bool = True) -> torch.Tensor:
+    """float64 rotated copy of x [num_tokens, num_heads, head_dim]."""
+    rotary_dim = cos_sin_cache.shape[1]
+    half = rotary_dim // 2
+    cs = cos_sin_cache[positions.long()].to(torch.float64)
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    out = x.to(torch.float64).clone()
+    rot = out[..., :rotary_dim]
+    if is_neox:
+        x1, x2 = rot[..., :half].clone(), rot[..., half:].clone()
+        rot[..., :half] = x1 * cos - x2 * sin
+        rot[..., half:] = x2 * cos + x1 * sin
+    else:
+        x1, x2 = rot[..., 0::2].clone(), rot[..., 1::2].clone()
+        rot[..., 0::2] = x1 * cos - x2 * sin
+        rot[..., 1::2] = x2 * cos + x1 * sin
+    return out
+
+
+# --- the cos/sin cache -----------------------------------------------------------------------
+
+
+def rope_inv_freq(
+    rotary_dim: int,
+    base: float,
+    rope_scaling: dict | None = None,
+    max_position_embeddings: int | None = None,
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [rotary_dim / 2] (fp32, on the CPU) and the cos/sin attention factor.
+
+    `rope_scaling` is a Hugging Face style dict whose `rope_type` (or legacy `type`) is one of
+    default, linear, llama3, yarn; None means default."""
+    kind = "default" if not rope_scaling else rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim))
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = rope_scaling.get("factor")
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
+        old_len = rope_scaling["original_max_position_embeddings"]
+        low, high = rope_scaling["low_freq_factor"], rope_scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths are interpolated by `factor`, short ones kept, the band between blended
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(in_band, blended, scaled), 1.0
+    if kind == "yarn":
+        orig = rope_scaling.get("original_max_position_embeddings") or max_position_embeddings
+        require(orig is not None, "yarn needs original_max_position_embeddings or max_position_embeddings")
+        if factor is None:
+            require(max_position_embeddings is not None, "yarn without factor needs max_position_embeddings")
+            factor = max_position_embeddings / orig
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention_factor = rope_scaling.get("attention_factor")
+        if attention_factor is None:
+            m, m_all = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+            attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        beta_fast = rope_scaling.get("beta_fast") or 32
+        beta_slow = rope_scaling.get("beta_slow") or 1
+
+        def dim_for_rotations(rotations: float) -> float:
+            return rotary_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        lo, hi = dim_for_rotations(beta_fast), dim_for_rotations(beta_slow)
+        if rope_scaling.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, rotary_dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+        extrapolate = 1 - ramp  # 1: keep the original frequency, 0: interpolate by factor
+        inv_freq = (inv_freq / factor) * (1 - extrapolate) + inv_freq * extrapolate
+        return inv_freq, float(attention_factor)
+    raise ValueError(f"unsupported rope_type {kind!r} (default, linear, llama3, yarn)")
+
+
+def build_cos_sin_cache(
+    rotary_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: dict | None = None,
+    *,
+    max_position_embeddings: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The [max_position, rotary_dim] table `apply_rotary` reads: [cos | sin] * attention factor,
+    computed in fp32 like Hugging Face's rotary embedding."""
+    inv_freq, attention_factor = rope_inv_freq(rotary_dim, base, rope_scaling, max_position_embeddings)
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor
+    return cache.to(dtype=dtype, device=device)
