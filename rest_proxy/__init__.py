@@ -1,0 +1,1 @@
+"""OpenAI-compatible REST proxy in front of the engine's gRPC API (see docs/proxy.md)."""

@@ -1,0 +1,252 @@
+"""POST /v1/chat/completions: plan the request, run it on the engine, and shape the answer.
+
+Both modes consume the same event stream (`_events`): non-streaming adds the deltas up, streaming
+sends them as chunks. With MCP execution on, the proxy runs the model's MCP calls between rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from inference_service.api import pb
+from rest_proxy.chat_state import ChoiceState
+from rest_proxy.engine_client import EngineClient, EngineRouter
+from rest_proxy.errors import invalid_request
+from rest_proxy.metrics import ProxyMetrics
+from rest_proxy.protocol import ChatCompletionRequest, ChatMessageParam, FunctionCallParam, ToolCallParam
+from rest_proxy.tool_parsers import ToolParser, get_parser, select_parser
+from rest_proxy.translate import (add_usage, chat_input, chat_logprobs, check_wire_safe, finish_reason,
+                                  sampling_params, stopping_criteria, system_fingerprint,
+                                  template_renders_tools, usage_dict)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ChatPlan:
+    """What one chat request turns into before it reaches the engine."""
+
+    req: ChatCompletionRequest
+    client: EngineClient
+    messages: list[ChatMessageParam]
+    tools: list[dict] | None
+    parser: ToolParser | None
+    native_tools: bool
+    forced: str | None = None  # the function a forced call must name ("" means any)
+    prefill: str | None = None
+    execute_mcp: bool = False
+    top_logprobs: int = 0
+    request_id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class ChatService:
+    def __init__(self, router: EngineRouter, *, metrics: ProxyMetrics, mcp=None, tool_parser: str | None = None,
+                 mcp_execute: bool = True, max_mcp_rounds: int = 5):
+        self.router = router
+        self.metrics = metrics
+        self.mcp = mcp
+        self.tool_parser = tool_parser
+        self.mcp_execute = mcp_execute
+        self.max_mcp_rounds = max(1, max_mcp_rounds)
+
+    def parser_for(self, client: EngineClient) -> ToolParser:
+        if self.tool_parser:
+            return get_parser(self.tool_parser)
+        info = client.info
+        return select_parser(info.family if info else "", info.chat_template if info else "")
+
+    async def plan(self, req: ChatCompletionRequest) -> ChatPlan:
+        client = await self.router.resolve(req.model)
+        info = client.info
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if info is not None and info.max_context_length and max_tokens and max_tokens > info.max_context_length:
+            raise invalid_request(f"max_tokens ({max_tokens}) exceeds the model's context length "
+                                  f"({info.max_context_length})", "max_tokens")
+        injected = False
+        if req.tools is not None:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        else:
+            tools = self.mcp.tools() if self.mcp is not None else []
+            injected = bool(tools)
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+        forced = None
+        if not isinstance(choice, str):
+            forced = choice.function.name
+            if forced not in {t["function"]["name"] for t in tools}:
+                raise invalid_request(f"tool_choice names {forced!r}, which is not among the tools",
+                                      "tool_choice")
+        elif choice == "required":
+            if not tools:
+                raise invalid_request("tool_choice 'required' needs at least one tool", "tool_choice")
+            forced = ""
+        active = bool(tools) and choice != "none"
+        parser = self.parser_for(client) if active else None
+        plan = ChatPlan(req=req, client=client, messages=list(req.messages), tools=tools if active else None,
+                        parser=parser, native_tools=template_renders_tools(info.chat_template if info else ""),
+                        forced=forced, top_logprobs=req.top_logprobs or 0,
+                        execute_mcp=injected and active and self.mcp_execute and req.n == 1)
+        if forced is not None and parser is not None and not req.continue_final_message:
+            plan.prefill = parser.call_prefix(forced or None)
+        return plan
+
+    def _start(self, plan: ChatPlan, messages: list[ChatMessageParam], offer_tools: bool,
+               first_round: bool) -> pb.StartGeneration:
+        req = plan.req
+        tools = plan.tools if offer_tools else None
+        chat = chat_input(messages, tools=tools, parser=plan.parser if tools else None,
+                          native_tools=plan.native_tools, prefill=plan.prefill if first_round else None,
+                          add_generation_prompt=req.add_generation_prompt,
+                          continue_final_message=req.continue_final_message and first_round,
+                          template_kwargs=req.chat_template_kwargs)
+        start = pb.StartGeneration(
+            request_id=uuid.uuid4().hex, chat=chat, n=req.n, skip_special_tokens=req.skip_special_tokens,
+            sampling=sampling_params(req, logprobs=req.logprobs, top_logprobs=plan.top_logprobs),
+            stopping=stopping_criteria(req, req.max_completion_tokens or req.max_tokens))
+        check_wire_safe(start)
+        return start
+
+    async def _events(self, plan: ChatPlan) -> AsyncIterator[tuple]:
+        """Yields ("delta", index, delta, logprobs), ("finish", index, reason) and ("usage", dict)."""
+        messages = plan.messages
+        usage = None
+        rounds = self.max_mcp_rounds if plan.execute_mcp else 1
+        for round_no in range(rounds):
+            last = round_no == rounds - 1
+            offer_tools = plan.tools is not None and not (plan.execute_mcp and last)
+            parser = plan.parser if offer_tools else None
+            first = round_no == 0
+            states = [ChoiceState(parser, prefix=(plan.prefill or "") if first else "",
+                                  parallel=plan.req.parallel_tool_calls,
+                                  forced=plan.forced if first and parser else None)
+                      for _ in range(plan.req.n)]
+            start = self._start(plan, messages, offer_tools, first)
+            async with aclosing(plan.client.generate(start)) as responses:
+                async for resp in responses:
+                    if resp.index >= len(states):
+                        continue
+                    state = states[resp.index]
+                    deltas = state.feed(resp.text)
+                    lps = chat_logprobs(resp.logprobs, plan.top_logprobs) if plan.req.logprobs else None
+                    if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                        deltas += state.feed("", final=True)
+                    if plan.execute_mcp:
+                        deltas = [d for d in deltas if "tool_calls" not in d]
+                    if deltas or lps:
+                        if lps:
+                            state.logprobs += lps
+                        yield ("delta", resp.index, deltas, lps)
+                    if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                        reason = state.finish(finish_reason(resp.finish_reason))
+                        if not plan.execute_mcp:
+                            yield ("finish", resp.index, reason)
+                    if resp.HasField("usage"):
+                        usage = add_usage(usage, usage_dict(resp.usage))
+            state = states[0]
+            if plan.execute_mcp and state.finish_reason == "tool_calls" and not last:
+                messages = messages + await self._run_mcp_calls(state)
+                continue
+            if plan.execute_mcp:
+                if state.finish_reason == "tool_calls":
+                    state.finish_reason = "stop"
+                yield ("finish", 0, state.finish_reason or "stop")
+            break
+        yield ("usage", usage or usage_dict(None))
+
+    async def _run_mcp_calls(self, state: ChoiceState) -> list[ChatMessageParam]:
+        calls = state.calls
+        assistant = ChatMessageParam(role="assistant", content=state.text or None, tool_calls=[
+            ToolCallParam(id=c["id"], function=FunctionCallParam(name=c["function"]["name"],
+                                                                 arguments=c["function"]["arguments"] or "{}"))
+            for c in calls])
+        results = []
+        for c in calls:
+            output = await self.mcp.call_tool(c["function"]["name"], c["function"]["arguments"])
+            results.append(ChatMessageParam(role="tool", tool_call_id=c["id"], content=output))
+        return [assistant, *results]
+
+    async def complete(self, plan: ChatPlan) -> dict:
+        states: dict[int, ChoiceState] = {i: ChoiceState(None) for i in range(plan.req.n)}
+        reasons: dict[int, str] = {}
+        usage = None
+        # NOTE: re-assemble from the deltas so the answer is by construction the stream's sum.
+        async with aclosing(self._events(plan)) as events:
+            async for event in events:
+                if event[0] == "delta":
+                    _, index, deltas, lps = event
+                    _accumulate(states[index], deltas, lps)
+                elif event[0] == "finish":
+                    reasons[event[1]] = event[2]
+                else:
+                    usage = event[1]
+        choices = []
+        for i in range(plan.req.n):
+            st = states[i]
+            choices.append({"index": i, "message": st.message(), "finish_reason": reasons.get(i, "stop"),
+                            "logprobs": {"content": st.logprobs, "refusal": None} if plan.req.logprobs else None})
+        return {"id": plan.request_id, "object": "chat.completion", "created": plan.created,
+                "model": plan.req.model, "system_fingerprint": system_fingerprint(plan.client.info),
+                "choices": choices, "usage": usage}
+
+    async def stream(self, plan: ChatPlan) -> AsyncIterator[str]:
+        """SSE `data:` events; the first is yielded only once the engine has answered."""
+        include_usage = bool(plan.req.stream_options and plan.req.stream_options.include_usage)
+        fingerprint = system_fingerprint(plan.client.info)
+        started: set[int] = set()
+        first_text = True
+        t0 = time.perf_counter()
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            obj = {"id": plan.request_id, "object": "chat.completion.chunk", "created": plan.created,
+                   "model": plan.req.model, "system_fingerprint": fingerprint, "choices": choices}
+            if include_usage:
+                obj["usage"] = usage
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        def choice(index: int, delta: dict, lps=None, reason=None) -> dict:
+            return {"index": index, "delta": delta,
+                    "logprobs": {"content": lps, "refusal": None} if lps is not None else None,
+                    "finish_reason": reason}
+
+        async with aclosing(self._events(plan)) as events:
+            async for event in events:
+                kind = event[0]
+                if kind in ("delta", "finish") and event[1] not in started:
+                    started.add(event[1])
+                    yield chunk([choice(event[1], {"role": "assistant", "content": ""})])
+                if kind == "delta":
+                    _, index, deltas, lps = event
+                    if first_text and deltas:
+                        first_text = False
+                        self.metrics.first_token_latency.labels(endpoint="chat").observe(time.perf_counter() - t0)
+                    if not deltas:
+                        yield chunk([choice(index, {}, lps)])
+                    for j, delta in enumerate(deltas):
+                        yield chunk([choice(index, delta, lps if j == 0 else None)])
+                elif kind == "finish":
+                    yield chunk([choice(event[1], {}, None, event[2])])
+                elif include_usage:
+                    yield chunk([], event[1])
+        yield "data: [DONE]\n\n"
+
+
+def _accumulate(state: ChoiceState, deltas: list[dict], lps: list[dict] | None) -> None:
+    for d in deltas:
+        if "content" in d:
+            state.content.append(d["content"])
+        if "refusal" in d:
+            state.refusal = d["refusal"]
+        for tc in d.get("tool_calls", []):
+            if "id" in tc:
+                state.calls.append({"id": tc["id"], "type": "function",
+                                    "function": {"name": tc["function"]["name"], "arguments": ""}})
+            else:
+                state.calls[tc["index"]]["function"]["arguments"] += tc["function"]["arguments"]
+    if lps:
+        state.logprobs += lps

@@ -1,0 +1,74 @@
+"""One chat completion choice being assembled from engine text, for streaming and non-streaming alike."""
+
+from __future__ import annotations
+
+from rest_proxy.tool_parsers import ArgumentsDelta, CallStart, ContentDelta, ToolCallExtractor, ToolParser
+
+
+class ChoiceState:
+    """Turns one completion's text into OpenAI `delta` objects and keeps what they add up to.
+
+    The non-streaming message is exactly the sum of the deltas, so both modes agree by construction.
+    With a forced call (`tool_choice` required or named) nothing but the call is shown; output that
+    does not parse as one becomes a `refusal` saying so.
+    """
+
+    def __init__(self, parser: ToolParser | None, *, prefix: str = "", parallel: bool = True,
+                 forced: str | None = None):
+        self.extractor = ToolCallExtractor(parser, prefix) if parser is not None else None
+        self.parallel = parallel
+        self.forced = forced
+        self.content: list[str] = []
+        self.calls: list[dict] = []
+        self.logprobs: list[dict] = []
+        self.refusal: str | None = None
+        self.finish_reason: str | None = None
+        self.started = False
+
+    def feed(self, text: str, *, final: bool = False) -> list[dict]:
+        if self.extractor is None:
+            if text:
+                self.content.append(text)
+                return [{"content": text}]
+            return []
+        deltas = self.extractor.finish() if final else self.extractor.feed(text)
+        out: list[dict] = []
+        for d in deltas:
+            if isinstance(d, ContentDelta):
+                if self.forced is None:
+                    self.content.append(d.text)
+                    out.append({"content": d.text})
+            elif d.index > 0 and not self.parallel:
+                continue
+            elif isinstance(d, CallStart):
+                self.calls.append({"id": d.id, "type": "function",
+                                   "function": {"name": d.name, "arguments": ""}})
+                out.append({"tool_calls": [{"index": d.index, "id": d.id, "type": "function",
+                                            "function": {"name": d.name, "arguments": ""}}]})
+            elif isinstance(d, ArgumentsDelta):
+                self.calls[d.index]["function"]["arguments"] += d.text
+                out.append({"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]})
+        if final and self.forced is not None and not self.calls:
+            self.refusal = f"The model did not produce a valid call to {self.forced}."
+            out.append({"refusal": self.refusal})
+        return out
+
+    def finish(self, reason: str) -> str:
+        if reason == "stop" and self.calls:
+            reason = "tool_calls"
+        self.finish_reason = reason
+        return reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
+
+    def message(self) -> dict:
+        text = self.text
+        msg: dict = {"role": "assistant", "content": None if (self.calls and not text) else text,
+                     "refusal": self.refusal}
+        if self.refusal is not None and not text:
+            msg["content"] = None
+        if self.calls:
+            msg["tool_calls"] = self.calls
+        return msg

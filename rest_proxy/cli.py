@@ -1,0 +1,72 @@
+"""`rest-proxy serve --engine localhost:50051 [--engine host:port ...] --port 8000 ...`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from rest_proxy.mcp_config import McpConfigError, load_mcp_config
+from rest_proxy.tool_parsers import ALIASES, PARSERS
+
+API_KEY_ENV = "REST_PROXY_API_KEY"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rest-proxy", description="OpenAI-compatible REST proxy for the engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the OpenAI API in front of one or more engines")
+    serve.add_argument("--engine", action="append", default=None, metavar="HOST:PORT",
+                       help="engine gRPC target; repeat for several models (default localhost:50051)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help=f"require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize "
+                            f"(default: ${API_KEY_ENV}; unset: no auth)")
+    serve.add_argument("--mcp-config", default=None, metavar="mcp.json",
+                       help='MCP servers: {"mcpServers": {name: {"command","args","env"} | {"url","headers"}}}')
+    serve.add_argument("--mcp-execute", action=argparse.BooleanOptionalAction, default=True,
+                       help="run the MCP tools the model calls and continue (default: on); "
+                            "--no-mcp-execute returns the calls to the client")
+    serve.add_argument("--max-mcp-rounds", type=int, default=5, help="most model rounds with MCP execution")
+    serve.add_argument("--tool-parser", default=None,
+                       choices=sorted(PARSERS) + sorted(ALIASES),
+                       help="tool-call format (default: from the model's chat template and family)")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="deadline in seconds for each engine call (exceeded: 504)")
+    serve.add_argument("--log-level", default="info")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    mcp_servers = {}
+    if args.mcp_config:
+        try:
+            mcp_servers = load_mcp_config(args.mcp_config)
+        except McpConfigError as err:
+            print(f"rest-proxy: {err}", file=sys.stderr)
+            return 2
+    import uvicorn
+
+    from rest_proxy.app import create_app
+    from rest_proxy.config import ProxyConfig
+
+    try:
+        config = ProxyConfig(engines=args.engine or ["localhost:50051"],
+                             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                             tool_parser=args.tool_parser, mcp_servers=mcp_servers, mcp_execute=args.mcp_execute,
+                             max_mcp_rounds=args.max_mcp_rounds, request_timeout=args.request_timeout)
+    except ValueError as err:
+        print(f"rest-proxy: {err}", file=sys.stderr)
+        return 2
+    print(f"rest-proxy: serving the OpenAI API on http://{args.host}:{args.port}/v1 "
+          f"(engines: {', '.join(config.engines)})", flush=True)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level.lower())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""POST /v1/completions: one engine request per prompt, `n` completions each."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from inference_service.api import pb
+from rest_proxy.engine_client import EngineClient, EngineRouter
+from rest_proxy.errors import invalid_request
+from rest_proxy.metrics import ProxyMetrics
+from rest_proxy.protocol import CompletionRequest
+from rest_proxy.translate import (add_usage, check_wire_safe, finish_reason, sampling_params, stopping_criteria,
+                                  system_fingerprint, usage_dict)
+
+
+def prompt_inputs(prompt) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise invalid_request("prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def _logprobs(items, top: int, offset: int) -> dict:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for lp in items:
+        out["tokens"].append(lp.token)
+        out["token_logprobs"].append(lp.logprob)
+        out["top_logprobs"].append({t.token: t.logprob for t in lp.top_logprobs[:top]} if top else None)
+        out["text_offset"].append(offset)
+        offset += len(lp.token)
+    return out
+
+
+def _merge_logprobs(a: dict | None, b: dict) -> dict:
+    if a is None:
+        return b
+    return {k: a[k] + b[k] for k in a}
+
+
+class CompletionService:
+    def __init__(self, router: EngineRouter, *, metrics: ProxyMetrics):
+        self.router = router
+        self.metrics = metrics
+
+    async def prepare(self, req: CompletionRequest) -> tuple[EngineClient, list[pb.StartGeneration], list[str]]:
+        if req.suffix:
+            raise invalid_request("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise invalid_request("best_of other than n is not supported", "best_of")
+        client = await self.router.resolve(req.model)
+        info = client.info
+        if info is not None and info.max_context_length and req.max_tokens and req.max_tokens > info.max_context_length:
+            raise invalid_request(f"max_tokens ({req.max_tokens}) exceeds the model's context length "
+                                  f"({info.max_context_length})", "max_tokens")
+        starts, echoes = [], []
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default for completions
+        for prompt in prompt_inputs(req.prompt):
+            start = pb.StartGeneration(
+                request_id=uuid.uuid4().hex, n=req.n, skip_special_tokens=req.skip_special_tokens,
+                sampling=sampling_params(req, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0),
+                stopping=stopping_criteria(req, max_tokens))
+            if isinstance(prompt, str):
+                start.text = prompt
+                echoes.append(prompt)
+            else:
+                start.token_ids.ids.extend(prompt)
+                echoes.append(await self._detokenize(client, prompt) if req.echo else "")
+            if req.add_special_tokens is not None:
+                start.add_special_tokens = req.add_special_tokens
+            check_wire_safe(start)
+            starts.append(start)
+        return client, starts, echoes if req.echo else [""] * len(starts)
+
+    async def _detokenize(self, client: EngineClient, ids: list[int]) -> str:
+        resp = await client.tokenize(pb.TokenizeRequest(detokenize=pb.DetokenizeIds(ids=ids)))
+        return resp.text
+
+    async def _merged(self, client: EngineClient, starts: list[pb.StartGeneration]) -> AsyncIterator[tuple]:
+        """(prompt number, response) from all prompts' requests, as they arrive."""
+        if len(starts) == 1:
+            async with aclosing(client.generate(starts[0])) as gen:
+                async for resp in gen:
+                    yield 0, resp
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(p: int, start: pb.StartGeneration) -> None:
+            try:
+                async with aclosing(client.generate(start)) as gen:
+                    async for resp in gen:
+                        await queue.put((p, resp))
+            except BaseException as err:  # handed to the consumer, which re-raises it
+                await queue.put((p, err))
+            finally:
+                await queue.put((p, None))
+
+        tasks = [asyncio.create_task(pump(p, s)) for p, s in enumerate(starts)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                p, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield p, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _events(self, req: CompletionRequest, client, starts, echoes) -> AsyncIterator[tuple]:
+        """("text", choice index, text, logprobs dict|None, finish reason|None) and ("usage", dict)."""
+        usage = None
+        echoed: set[int] = set()
+        offsets: dict[int, int] = {}
+        async with aclosing(self._merged(client, starts)) as merged:
+            async for p, resp in merged:
+                index = p * req.n + resp.index
+                text = resp.text
+                if index not in echoed:
+                    echoed.add(index)
+                    text = echoes[p] + text
+                    offsets[index] = len(echoes[p])
+                lps = None
+                if req.logprobs is not None:
+                    lps = _logprobs(resp.logprobs, req.logprobs, offsets[index])
+                    offsets[index] += sum(len(t) for t in lps["tokens"])
+                reason = (finish_reason(resp.finish_reason)
+                          if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED else None)
+                if text or lps is not None or reason:
+                    yield ("text", index, text, lps, reason)
+                if resp.HasField("usage"):
+                    usage = add_usage(usage, usage_dict(resp.usage))
+        yield ("usage", usage or usage_dict(None))
+
+    async def complete(self, req: CompletionRequest) -> dict:
+        client, starts, echoes = await self.prepare(req)
+        rid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
+        n = len(starts) * req.n
+        texts: list[list[str]] = [[] for _ in range(n)]
+        lps: list[dict | None] = [None] * n
+        reasons: list[str] = ["stop"] * n
+        usage = None
+        async with aclosing(self._events(req, client, starts, echoes)) as events:
+            async for ev in events:
+                if ev[0] == "usage":
+                    usage = ev[1]
+                    continue
+                _, i, text, lp, reason = ev
+                texts[i].append(text)
+                if lp is not None:
+                    lps[i] = _merge_logprobs(lps[i], lp)
+                if reason:
+                    reasons[i] = reason
+        choices = [{"index": i, "text": "".join(texts[i]), "logprobs": lps[i], "finish_reason": reasons[i]}
+                   for i in range(n)]
+        return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+                "system_fingerprint": system_fingerprint(client.info), "choices": choices, "usage": usage}
+
+    async def stream(self, req: CompletionRequest) -> AsyncIterator[str]:
+        client, starts, echoes = await self.prepare(req)
+        rid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        fingerprint = system_fingerprint(client.info)
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            obj = {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+                   "system_fingerprint": fingerprint, "choices": choices}
+            if include_usage:
+                obj["usage"] = usage
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        async with aclosing(self._events(req, client, starts, echoes)) as events:
+            async for ev in events:
+                if ev[0] == "usage":
+                    if include_usage:
+                        yield chunk([], ev[1])
+                    continue
+                _, i, text, lp, reason = ev
+                yield chunk([{"index": i, "text": text, "logprobs": lp, "finish_reason": reason}])
+        yield "data: [DONE]\n\n"
+
+

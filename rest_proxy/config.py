@@ -1,0 +1,33 @@
+"""The proxy's configuration, checked once when it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rest_proxy.mcp_config import McpServerConfig
+from rest_proxy.tool_parsers import get_parser
+
+
+@dataclass(slots=True)
+class ProxyConfig:
+    engines: list[str]
+    api_key: str | None = None
+    tool_parser: str | None = None  # None: chosen from each model's family and chat template
+    mcp_servers: dict[str, McpServerConfig] = field(default_factory=dict)
+    mcp_execute: bool = True
+    max_mcp_rounds: int = 5
+    mcp_ping_interval: float = 5.0
+    mcp_max_backoff: float = 30.0
+    mcp_startup_wait: float = 10.0
+    request_timeout: float | None = None  # seconds per engine call; None: no deadline
+    engine_refresh_interval: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.engines:
+            raise ValueError("at least one --engine target is required")
+        if self.tool_parser is not None:
+            get_parser(self.tool_parser)  # an unknown name refuses to start
+        if self.max_mcp_rounds < 1:
+            raise ValueError("max_mcp_rounds must be >= 1")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError("request_timeout must be > 0")

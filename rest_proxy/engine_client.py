@@ -1,0 +1,199 @@
+"""Long-lived aio gRPC channels to the engines, and routing of requests by model name."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from inference_service.api import pb, pb_grpc
+from rest_proxy.errors import ProxyError, from_engine_error, from_rpc_error, grpc_code_name
+
+log = logging.getLogger(__name__)
+
+_CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]
+
+
+class EngineClient:
+    """One engine target: a shared channel, its model description, and one call per operation."""
+
+    def __init__(self, target: str, *, request_timeout: float | None = None,
+                 on_grpc_error: Callable[[str], None] | None = None):
+        self.target = target
+        self.request_timeout = request_timeout
+        self.info: pb.GetModelInfoResponse | None = None
+        self._on_grpc_error = on_grpc_error or (lambda _code: None)
+        self.channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self.stub = pb_grpc.InferenceServiceStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    @property
+    def model_name(self) -> str | None:
+        return self.info.model_name if self.info is not None else None
+
+    def _error(self, err: grpc.aio.AioRpcError) -> ProxyError:
+        self._on_grpc_error(err.code().name)
+        return from_rpc_error(err, self.target)
+
+    def _inband_error(self, error: pb.Error) -> ProxyError:
+        self._on_grpc_error(grpc_code_name(error.code))
+        return from_engine_error(error.code, error.message, error.field)
+
+    async def refresh_info(self, timeout: float = 2.0) -> pb.GetModelInfoResponse:
+        try:
+            self.info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise self._error(err) from None
+        return self.info
+
+    async def is_serving(self, timeout: float = 2.0) -> bool:
+        try:
+            resp = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def generate(self, start: pb.StartGeneration) -> AsyncIterator[pb.GenerateResponse]:
+        """Run one request on its own Generate stream, yielding its responses up to its last one.
+
+        In-band errors raise `ProxyError`. Leaving the iteration early (the client went away) sends
+        `CancelGeneration` and cancels the call, which aborts the engine request.
+        """
+        if not start.request_id:
+            start.request_id = uuid.uuid4().hex
+        num_completions = max(start.n, 1)
+        call = self.stub.Generate(timeout=self.request_timeout)
+        finished: set[int] = set()
+        done = False
+        try:
+            await call.write(pb.GenerateRequest(start=start))
+            reader = call.__aiter__()
+            while True:
+                try:
+                    if len(finished) >= num_completions:
+                        # Everything finished but no usage yet: give it a moment, then stop.
+                        resp = await asyncio.wait_for(reader.__anext__(), timeout=1.0)
+                    else:
+                        resp = await reader.__anext__()
+                except (StopAsyncIteration, asyncio.TimeoutError):
+                    done = True
+                    return
+                if resp.request_id and resp.request_id != start.request_id:
+                    continue
+                if resp.HasField("error") and (resp.error.code or resp.error.message):
+                    done = True
+                    raise self._inband_error(resp.error)
+                if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    finished.add(resp.index)
+                yield resp
+                if resp.HasField("usage"):
+                    done = True
+                    return
+        except grpc.aio.AioRpcError as err:
+            done = True
+            raise self._error(err) from None
+        finally:
+            if not done:
+                with contextlib.suppress(Exception):
+                    cancel = pb.GenerateRequest(cancel=pb.CancelGeneration(request_id=start.request_id))
+                    await asyncio.wait_for(asyncio.shield(call.write(cancel)), timeout=0.2)
+            call.cancel()
+
+    async def _unary_stream(self, method, request, error_field: str):
+        call = method(timeout=self.request_timeout)
+        try:
+            await call.write(request)
+            await call.done_writing()
+            async for resp in call:
+                if resp.request_id == request.request_id:
+                    if resp.HasField(error_field) and (getattr(resp, error_field).code
+                                                       or getattr(resp, error_field).message):
+                        raise self._inband_error(getattr(resp, error_field))
+                    return resp
+        except grpc.aio.AioRpcError as err:
+            raise self._error(err) from None
+        finally:
+            call.cancel()
+        raise ProxyError(502, f"engine at {self.target} closed the stream without an answer",
+                         type="server_error", code="bad_gateway")
+
+    async def embed(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
+        request.request_id = request.request_id or uuid.uuid4().hex
+        return await self._unary_stream(self.stub.Embed, request, "error")
+
+    async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        request.request_id = request.request_id or uuid.uuid4().hex
+        return await self._unary_stream(self.stub.Tokenize, request, "error")
+
+    async def close(self) -> None:
+        await self.channel.close(grace=None)
+
+
+class EngineRouter:
+    """Routes a request to the engine serving its `model` (names from `GetModelInfo`)."""
+
+    def __init__(self, targets: list[str], *, request_timeout: float | None = None,
+                 on_grpc_error: Callable[[str], None] | None = None, refresh_interval: float = 1.0):
+        if not targets:
+            raise ValueError("at least one engine target is required")
+        self.clients = [EngineClient(t, request_timeout=request_timeout, on_grpc_error=on_grpc_error)
+                        for t in targets]
+        self._refresh_interval = refresh_interval
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await asyncio.gather(*(self._try_refresh(c) for c in self.clients))
+        self._task = asyncio.create_task(self._refresh_loop())
+
+    async def _try_refresh(self, client: EngineClient, timeout: float = 2.0) -> bool:
+        try:
+            await client.refresh_info(timeout=timeout)
+            return True
+        except ProxyError:
+            return False
+
+    async def _refresh_loop(self) -> None:
+        # NOTE: engines may start after the proxy; keep asking until each has described its model.
+        while True:
+            await asyncio.sleep(self._refresh_interval)
+            missing = [c for c in self.clients if c.info is None]
+            if missing:
+                await asyncio.gather(*(self._try_refresh(c) for c in missing))
+
+    def models(self) -> list[pb.GetModelInfoResponse]:
+        return [c.info for c in self.clients if c.info is not None]
+
+    async def resolve(self, model: str) -> EngineClient:
+        for client in self.clients:
+            if client.model_name == model:
+                return client
+        unknown = [c for c in self.clients if c.info is None]
+        if unknown:
+            await asyncio.gather(*(self._try_refresh(c, timeout=1.0) for c in unknown))
+            for client in unknown:
+                if client.model_name == model:
+                    return client
+            if all(c.info is None for c in self.clients):
+                targets = ", ".join(c.target for c in self.clients)
+                raise ProxyError(503, f"no engine reachable ({targets})", type="service_unavailable",
+                                 code="engine_unavailable")
+        served = ", ".join(sorted(m.model_name for m in self.models()))
+        raise ProxyError(404, f"The model `{model}` does not exist. Served models: {served}",
+                         type="invalid_request_error", param="model", code="model_not_found")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)

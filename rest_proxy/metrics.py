@@ -1,0 +1,85 @@
+"""Prometheus metrics of the proxy (one registry per app, so tests can build many apps)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.http_requests = Counter(
+            "rest_proxy_http_requests_total", "HTTP requests answered, by route, method and status.",
+            ["route", "method", "status"], registry=self.registry)
+        self.http_latency = Histogram(
+            "rest_proxy_http_request_duration_seconds",
+            "Time from request to the end of the response (whole stream for SSE), by route.",
+            ["route", "method"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.first_token_latency = Histogram(
+            "rest_proxy_time_to_first_token_seconds", "Time from request to the first generated text.",
+            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.open_streams = Gauge(
+            "rest_proxy_sse_streams_open", "Server-sent-event streams currently open.",
+            registry=self.registry)
+        self.grpc_errors = Counter(
+            "rest_proxy_grpc_errors_total", "Errors from the engine (calls and in-band), by gRPC code.",
+            ["code"], registry=self.registry)
+        self.mcp_tool_calls = Counter(
+            "rest_proxy_mcp_tool_calls_total", "MCP tool calls run by the proxy, by server, tool and outcome.",
+            ["server", "tool", "outcome"], registry=self.registry)
+        self.mcp_tools = Gauge(
+            "rest_proxy_mcp_tools", "MCP tools currently offered, by server.", ["server"],
+            registry=self.registry)
+
+    def record_grpc_error(self, code: str) -> None:
+        self.grpc_errors.labels(code=code).inc()
+
+    def render(self) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _route_name(scope: Scope) -> str:
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return path if path else "unmatched"
+
+
+class MetricsMiddleware:
+    """Counts requests and measures latency up to the last body byte (pure ASGI, safe for streaming)."""
+
+    def __init__(self, app: ASGIApp, metrics: ProxyMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route, method = _route_name(scope), scope.get("method", "")
+            self.metrics.http_requests.labels(route=route, method=method, status=str(status)).inc()
+            self.metrics.http_latency.labels(route=route, method=method).observe(time.perf_counter() - start)
+
+
+def metrics_endpoint(metrics: ProxyMetrics):
+    async def endpoint(_: Request) -> Response:
+        return metrics.render()
+    return endpoint

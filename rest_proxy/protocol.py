@@ -1,0 +1,139 @@
+"""Request models of the OpenAI API subset the proxy serves.
+
+Unknown fields are ignored (as OpenAI's own server does); numeric limits are the proto's, so a value
+that cannot be represented on the wire is a 400 here rather than a failure further down.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+UINT32_MAX = 2**32 - 1
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class FunctionDefinition(_Model):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCallParam(_Model):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallParam(_Model):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageParam(_Model):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
+
+
+class _SamplingFields(_Model):
+    """Sampling and stopping fields shared by chat and completions."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
+    stop: str | list[str] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=UINT32_MAX)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    seed: int | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] = 0
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] | list[
+        list[Annotated[int, Field(ge=0, le=UINT32_MAX)]]]
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1, le=128)] | None = None
+    add_special_tokens: bool | None = None
+
+
+class EmbeddingRequest(_Model):
+    model: str
+    input: str | list[str] | list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] | list[
+        list[Annotated[int, Field(ge=0, le=UINT32_MAX)]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
+    user: str | None = None
+    truncate: bool = False
+
+
+class TokenizeRequest(_Model):
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+
+
+class DetokenizeRequest(_Model):
+    model: str
+    tokens: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]]
+    skip_special_tokens: bool | None = None

@@ -1,0 +1,169 @@
+"""OpenAI request fields -> engine protobuf messages, and engine outputs -> OpenAI fields."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+
+from inference_service.api import pb
+from rest_proxy.errors import ProxyError, invalid_request
+from rest_proxy.protocol import ChatMessageParam, _SamplingFields
+from rest_proxy.tool_parsers import ToolParser
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+          "tool": "tool", "function": "tool"}
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+_UINT64 = 2**64
+
+
+def sampling_params(req: _SamplingFields, *, logprobs: bool = False, top_logprobs: int = 0) -> pb.SamplingParams:
+    params = pb.SamplingParams(logprobs=logprobs, top_logprobs=top_logprobs if logprobs else 0)
+    for name in ("temperature", "top_p", "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            setattr(params, name, value)
+    if req.top_k is not None and req.top_k > 0:
+        params.top_k = req.top_k
+    if req.min_p is not None:
+        params.min_p = req.min_p
+    params.frequency_penalty = req.frequency_penalty or 0.0
+    params.presence_penalty = req.presence_penalty or 0.0
+    if req.seed is not None:
+        params.seed = req.seed % _UINT64
+    for key, bias in (req.logit_bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise invalid_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not 0 <= token_id < 2**32:
+            raise invalid_request(f"logit_bias token id {token_id} is out of range", "logit_bias")
+        params.logit_bias[token_id] = bias
+    return params
+
+
+def stopping_criteria(req: _SamplingFields, max_tokens: int | None) -> pb.StoppingCriteria:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    criteria = pb.StoppingCriteria(stop=[s for s in stop if s], stop_token_ids=req.stop_token_ids or [],
+                                   min_tokens=req.min_tokens, ignore_eos=req.ignore_eos)
+    if max_tokens is not None:
+        criteria.max_tokens = max_tokens
+    return criteria
+
+
+def message_text(msg: ChatMessageParam, index: int) -> str | None:
+    if msg.content is None or isinstance(msg.content, str):
+        return msg.content
+    parts = []
+    for j, part in enumerate(msg.content):
+        if part.type not in ("text", "input_text"):
+            raise invalid_request(f"content parts of type {part.type!r} are not supported (text only)",
+                                  f"messages[{index}].content[{j}].type")
+        parts.append(part.text or "")
+    return "".join(parts)
+
+
+def template_renders_tools(chat_template: str) -> bool:
+    return "tools" in (chat_template or "")
+
+
+def chat_input(messages: list[ChatMessageParam], *, tools: list[dict] | None, parser: ToolParser | None,
+               native_tools: bool, prefill: str | None = None, add_generation_prompt: bool = True,
+               continue_final_message: bool = False, template_kwargs: dict | None = None) -> pb.ChatInput:
+    """Build the engine's chat input.
+
+    A template that renders tools gets them as `tools_json` and messages with structured tool calls.
+    For one that does not (SmolLM2's), the tools become a system prompt in the parser's format,
+    and earlier calls and results become text in that format.
+    """
+    out: list[pb.ChatMessage] = []
+    for i, msg in enumerate(messages):
+        role = _ROLES.get(msg.role)
+        if role is None:
+            raise invalid_request(f"unknown role {msg.role!r}", f"messages[{i}].role")
+        text = message_text(msg, i)
+        m = pb.ChatMessage(role=role, name=msg.name or "")
+        calls = msg.tool_calls or []
+        if role == "assistant" and calls:
+            if native_tools or parser is None:
+                for c in calls:
+                    m.tool_calls.append(pb.ToolCall(id=c.id, name=c.function.name,
+                                                    arguments_json=c.function.arguments))
+                if text is not None:
+                    m.content = text
+            else:
+                rendered = parser.render_calls([(c.function.name, c.function.arguments) for c in calls])
+                m.content = f"{text}\n{rendered}" if text else rendered
+        elif role == "tool":
+            m.tool_call_id = msg.tool_call_id or ""
+            body = text or ""
+            m.content = body if native_tools or parser is None else parser.render_tool_result(body)
+        else:
+            m.content = text or ""
+        out.append(m)
+    chat = pb.ChatInput(continue_final_message=continue_final_message)
+    if tools and native_tools:
+        chat.tools_json = json.dumps(tools, ensure_ascii=False)
+    elif tools and parser is not None:
+        instructions = parser.system_prompt(tools)
+        if out and out[0].role == "system":
+            out[0].content = f"{out[0].content}\n\n{instructions}" if out[0].content else instructions
+        else:
+            out.insert(0, pb.ChatMessage(role="system", content=instructions))
+    if prefill is not None:
+        out.append(pb.ChatMessage(role="assistant", content=prefill))
+        chat.continue_final_message = True
+        add_generation_prompt = False
+    chat.messages.extend(out)
+    chat.add_generation_prompt = add_generation_prompt
+    if template_kwargs:
+        chat.chat_template_kwargs_json = json.dumps(template_kwargs)
+    return chat
+
+
+def check_wire_safe(message) -> None:
+    """Surface text protobuf cannot carry (lone surrogates) as a 400 rather than a crash."""
+    try:
+        message.SerializeToString()
+    except (ValueError, UnicodeError) as err:
+        raise invalid_request(f"request text is not valid Unicode: {err}") from None
+
+
+def _lp_bytes(raw: bytes) -> list[int]:
+    return list(raw)
+
+
+def chat_logprobs(items: Iterable[pb.TokenLogprob], top: int) -> list[dict]:
+    return [{"token": lp.token, "logprob": lp.logprob, "bytes": _lp_bytes(lp.token_bytes),
+             "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _lp_bytes(t.token_bytes)}
+                              for t in lp.top_logprobs[:top]]}
+            for lp in items]
+
+
+def usage_dict(usage: pb.Usage | None) -> dict:
+    prompt = usage.prompt_tokens if usage else 0
+    completion = usage.completion_tokens if usage else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens if usage else 0}}
+
+
+def add_usage(a: dict | None, b: dict) -> dict:
+    if a is None:
+        return b
+    return {"prompt_tokens": a["prompt_tokens"] + b["prompt_tokens"],
+            "completion_tokens": a["completion_tokens"] + b["completion_tokens"],
+            "total_tokens": a["total_tokens"] + b["total_tokens"],
+            "prompt_tokens_details": {"cached_tokens": a["prompt_tokens_details"]["cached_tokens"]
+                                      + b["prompt_tokens_details"]["cached_tokens"]}}
+
+
+def finish_reason(reason: int) -> str:
+    if reason == pb.FINISH_REASON_ABORT:
+        raise ProxyError(503, "the engine aborted the request (it may be shutting down)",
+                         type="service_unavailable", code="aborted")
+    return FINISH_REASONS.get(reason, "stop")
+
+
+def system_fingerprint(info: pb.GetModelInfoResponse | None) -> str:
+    seed = f"{info.model_name}|{info.model_path}|{info.kv_cache.dtype}" if info else ""
+    return "fp_" + hashlib.sha256(seed.encode()).hexdigest()[:10]
