@@ -122,6 +122,7 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
             self.output_processor.remove(seq)
             deltas.append(self._finish_delta(state, seq))
+        self.metrics.on_scheduler_state(self.scheduler, self.block_manager)
         return deltas
 
     def step(self) -> list[CompletionDelta]:

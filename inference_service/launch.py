@@ -1,0 +1,70 @@
+"""`make serve`: starts the engine and the OpenAI proxy together and stops both on Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def wait_until_serving(target: str, process: subprocess.Popen, timeout_s: float) -> None:
+    """Polls the engine's gRPC health service until SERVING; fails if the process exits first."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise SystemExit(f"the engine exited with code {process.returncode} before serving")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise SystemExit(f"the engine did not report SERVING on {target} within {timeout_s:.0f}s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Start the engine and the OpenAI-compatible proxy.")
+    parser.add_argument("--engine-port", type=int, default=50051)
+    parser.add_argument("--proxy-port", type=int, default=8000)
+    parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2)")
+    args, engine_args = parser.parse_known_args(argv)
+
+    engine_cmd = [sys.executable, "-m", "inference_service.cli", "serve", "--port", str(args.engine_port)]
+    if args.model:
+        engine_cmd += ["--model", args.model]
+    engine = subprocess.Popen(engine_cmd + engine_args)
+    processes = [engine]
+
+    def stop(*_):
+        for p in reversed(processes):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in reversed(processes):
+            try:
+                p.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    wait_until_serving(f"localhost:{args.engine_port}", engine, timeout_s=300)
+    proxy = subprocess.Popen([sys.executable, "-m", "rest_proxy.cli", "serve", "--engine",
+                              f"localhost:{args.engine_port}", "--port", str(args.proxy_port)])
+    processes.append(proxy)
+    print(f"\nEngine (gRPC): localhost:{args.engine_port}\n"
+          f"OpenAI API:    http://localhost:{args.proxy_port}/v1  (Ctrl-C stops both)\n", flush=True)
+    while all(p.poll() is None for p in processes):
+        time.sleep(0.5)
+    stop()
+
+
+if __name__ == "__main__":
+    main()
