@@ -6,7 +6,7 @@ decoding is not a per-token concatenation (SentencePiece drops the leading space
 token; byte-level BPE tokens may carry part of a UTF-8 character)::
 
     output ids:  ... | t5 t6 | t7 t8 t9
-                     ^prefix ^read
+                     ^prefix ^last boundary
     decode(window) = "<text of t5 t6, already emitted>" + "<new text>"
                                           num_emitted ^
 
@@ -26,6 +26,8 @@ _REPLACEMENT = "\ufffd"
 _MAX_WINDOW = 8
 # An unfinished UTF-8 character has at most 3 bytes, so spans at most 3 tokens.
 _MAX_PARTIAL_TOKENS = 3
+# Recent token offsets where the text ended on a whole character (window start candidates).
+_NUM_BOUNDARIES = 4
 
 
 class DecodesTokens(Protocol):
@@ -48,7 +50,9 @@ class IncrementalDetokenizer:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids: list[int] = []  # output token ids so far
         self._prefix_offset = 0  # window start
-        self._read_offset = 0  # end of the last window that ended on a whole character
+        # Offsets, newest last, where the text ended on a whole character: decoding does not
+        # cross them, so the window may start there.
+        self._boundaries = [0]
         self._num_emitted = 0  # characters of the window's text already emitted
 
     def _decode(self, start: int, end: int | None = None) -> str:
@@ -64,14 +68,18 @@ class IncrementalDetokenizer:
         self._num_emitted = max(self._num_emitted, stable)
 
         if stable == len(text):
-            # Ends on a whole character: the new window starts at the previous read offset, so
-            # one emitted token stays in front as context. A window whose context decodes to
-            # nothing (skipped special tokens) gives no context, so keep the old start then.
-            start = self._read_offset
-            context = self._decode(start)
-            if context or num_tokens - self._prefix_offset > _MAX_WINDOW:
-                self._prefix_offset, self._num_emitted = start, len(context)
-            self._read_offset = num_tokens
+            # Ends on a whole character: slide the window start to the newest earlier boundary
+            # whose tokens decode to some text, so emitted tokens stay in front as context.
+            # NOTE: context that decodes to "" (skipped special tokens, a lone SentencePiece
+            # space) would let the next token's leading space be dropped; skip such starts.
+            for start in reversed(self._boundaries):
+                if start <= self._prefix_offset:
+                    break
+                context = self._decode(start)
+                if context:
+                    self._prefix_offset, self._num_emitted = start, len(context)
+                    break
+            self._boundaries = self._boundaries[1 - _NUM_BOUNDARIES:] + [num_tokens]
         elif num_tokens - self._prefix_offset > _MAX_WINDOW:
             self._split_window(text)
         return delta
@@ -88,7 +96,8 @@ class IncrementalDetokenizer:
         for k in range(num_tokens - 1, low, -1):
             head = self._decode(self._prefix_offset, k)
             if len(head) <= self._num_emitted and head + self._decode(k) == text:
-                self._prefix_offset = self._read_offset = k
+                self._prefix_offset = k
+                self._boundaries = [k]
                 self._num_emitted -= len(head)
                 return
 
