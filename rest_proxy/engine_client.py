@@ -33,7 +33,11 @@ class EngineClient:
         self.request_timeout = request_timeout
         self.info: pb.GetModelInfoResponse | None = None
         self._on_grpc_error = on_grpc_error or (lambda _code: None)
-        self.channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self.channel: grpc.aio.Channel | None = None
+
+    def connect(self) -> None:
+        """Open the channel; it belongs to the running event loop, so this runs inside it."""
+        self.channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self.stub = pb_grpc.InferenceServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -136,7 +140,8 @@ class EngineClient:
         return await self._unary_stream(self.stub.Tokenize, request, "error")
 
     async def close(self) -> None:
-        await self.channel.close(grace=None)
+        if self.channel is not None:
+            await self.channel.close(grace=None)
 
 
 class EngineRouter:
@@ -152,6 +157,8 @@ class EngineRouter:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
+        for client in self.clients:
+            client.connect()
         await asyncio.gather(*(self._try_refresh(c) for c in self.clients))
         self._task = asyncio.create_task(self._refresh_loop())
 
