@@ -16,6 +16,7 @@ from rest_proxy.auth import ApiKeyMiddleware
 from rest_proxy.chat import ChatService
 from rest_proxy.completions import CompletionService, prompt_inputs
 from rest_proxy.config import ProxyConfig
+from rest_proxy.disconnect import CancelOnDisconnectMiddleware
 from rest_proxy.engine_client import EngineRouter
 from rest_proxy.errors import ProxyError, install_error_handlers, invalid_request
 from rest_proxy.mcp_manager import McpManager
@@ -55,6 +56,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
     app = FastAPI(title="inference-service OpenAI-compatible proxy", version="0.1.0", lifespan=lifespan)
     app.state.config, app.state.metrics, app.state.router, app.state.mcp = config, metrics, router, mcp
     install_error_handlers(app)
+    app.add_middleware(CancelOnDisconnectMiddleware)
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 

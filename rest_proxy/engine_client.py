@@ -8,6 +8,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 
+import anyio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -107,10 +108,11 @@ class EngineClient:
             done = True
             raise self._error(err) from None
         finally:
-            if not done:
-                with contextlib.suppress(Exception):
-                    cancel = pb.GenerateRequest(cancel=pb.CancelGeneration(request_id=start.request_id))
-                    await asyncio.wait_for(asyncio.shield(call.write(cancel)), timeout=0.2)
+            if not done and not call.done():
+                # NOTE: a cancelled read already cancels the call; otherwise (the consumer just
+                # stopped) say so in-band first. Shielded: the caller may be in a cancelled scope.
+                with contextlib.suppress(Exception), anyio.move_on_after(0.2, shield=True):
+                    await call.write(pb.GenerateRequest(cancel=pb.CancelGeneration(request_id=start.request_id)))
             call.cancel()
 
     async def _unary_stream(self, method, request, error_field: str):

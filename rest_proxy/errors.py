@@ -100,6 +100,10 @@ def install_error_handlers(app: FastAPI) -> None:
         message = f"{param}: {msg}" if param else str(msg)
         return JSONResponse(invalid_request(message, param).body(), status_code=400)
 
+    @app.exception_handler(UnicodeError)
+    async def _unicode_error(_: Request, exc: UnicodeError) -> JSONResponse:
+        return JSONResponse(invalid_request(f"request text is not valid Unicode: {exc}").body(), status_code=400)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = ProxyError(exc.status_code, str(exc.detail))

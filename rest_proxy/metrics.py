@@ -63,7 +63,7 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        status = 500
+        status = 499  # no response at all: the client went away first
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status
@@ -73,6 +73,9 @@ class MetricsMiddleware:
 
         try:
             await self.app(scope, receive, send_wrapper)
+        except BaseException:
+            status = 500 if status == 499 else status
+            raise
         finally:
             route, method = _route_name(scope), scope.get("method", "")
             self.metrics.http_requests.labels(route=route, method=method, status=str(status)).inc()

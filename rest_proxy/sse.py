@@ -1,5 +1,6 @@
-"""Server-sent events: errors before the first event are plain HTTP errors, later ones an `error` event;
-a client that goes away cancels the producer (and with it the engine call) at once."""
+"""Server-sent events: errors before the first event are plain HTTP errors, later ones an `error` event.
+
+A client that goes away cancels the producer (and the engine call) through `CancelOnDisconnectMiddleware`."""
 
 from __future__ import annotations
 
@@ -7,9 +8,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 
-import anyio
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from rest_proxy.errors import ProxyError
 from rest_proxy.metrics import ProxyMetrics
@@ -17,27 +16,7 @@ from rest_proxy.metrics import ProxyMetrics
 log = logging.getLogger(__name__)
 
 
-class EventStreamResponse(StreamingResponse):
-    """Streams while watching for the client's disconnect, whatever the ASGI server's spec version."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as tg:
-            async def stream() -> None:
-                try:
-                    await self.stream_response(send)
-                except OSError:
-                    pass
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(stream)
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    tg.cancel_scope.cancel()
-                    break
-
-
-async def event_stream(events: AsyncIterator[str], metrics: ProxyMetrics) -> EventStreamResponse:
+async def event_stream(events: AsyncIterator[str], metrics: ProxyMetrics) -> StreamingResponse:
     """Wait for the first event (so early errors keep their HTTP status), then stream the rest."""
     try:
         first = await anext(events)
@@ -62,5 +41,5 @@ async def event_stream(events: AsyncIterator[str], metrics: ProxyMetrics) -> Eve
             metrics.open_streams.dec()
             await events.aclose()
 
-    return EventStreamResponse(body(), media_type="text/event-stream",
+    return StreamingResponse(body(), media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
