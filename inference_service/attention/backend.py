@@ -1,0 +1,47 @@
+"""The interface every attention backend implements (torch paged on CPU, Triton on GPU)."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from inference_service.attention.metadata import AttentionMetadata
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """Paged causal attention for one layer of one model step.
+
+    `forward` first writes the step's new keys and values into the layer's cache at
+    `metadata.slot_mapping` (rows whose slot is -1 are padding and are not written), then lets each
+    sequence's queries attend causally over that sequence's whole context, found through
+    `metadata.block_tables`: query j of a sequence with `query_len` new tokens and `seq_len` context
+    tokens sits at position `seq_len - query_len + j` and sees keys 0..that position.
+
+    Shapes: q [T, Hq, D], k and v [T, Hkv, D] with Hq a multiple of Hkv (grouped-query attention:
+    query head h reads kv head h // (Hq // Hkv)); k_cache and v_cache
+    [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D] in q's dtype. Rows of padding tokens
+    (slot -1, outside every sequence's query range) come back unspecified.
+    """
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+def get_attention_backend(device: torch.device | str) -> AttentionBackend:
+    """The default backend for a device. CPU gets the plain torch implementation."""
+    # NOTE: the GPU (Triton) backend registers here once it exists; until then every device uses torch.
+    from inference_service.attention.torch_paged import TorchPagedAttention
+
+    return TorchPagedAttention()

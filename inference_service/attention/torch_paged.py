@@ -1,0 +1,165 @@
+"""Paged attention in plain torch: the CPU backend, and the reference the GPU kernels are tested against.
+
+Decode sequences (one query each) are attended in one batched SDPA call: each sequence's context is
+gathered from its blocks into a padded [S, Hkv, L, D] tensor and a key mask hides the padding.
+Sequences with several queries (prefill chunks) are attended one at a time.
+
+Index tensors derived from the metadata (which slots to write, where each decode context lives) are
+built once per model step and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from inference_service.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class _StepPlan:
+    """What every layer of one step reuses."""
+
+    write_slots: torch.Tensor  # [W] int64 cache slots of the rows written
+    write_rows: torch.Tensor | None  # [W] int64 rows of k/v to write; None = all rows, in order
+    decode_rows: torch.Tensor | None  # [S_dec] int64 query rows of decode sequences; None = every row
+    decode_slots: torch.Tensor | None  # [S_dec, L] int64 cache slot of each context token (padding -> 0)
+    decode_mask: torch.Tensor | None  # [S_dec, 1, 1, L] bool, True = attend; None = no padding
+    prefill: list[tuple[int, int, int, torch.Tensor | None]]  # (row start, row end, seq_len, slots [L] or None)
+
+
+def _context_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
+                   block_size: int) -> torch.Tensor:
+    """Cache slot of every context position: [S, max_len] int64, positions past a seq's length -> 0."""
+    positions = torch.arange(max_len, device=block_tables.device)  # [L]
+    block_cols = (positions // block_size).clamp_(max=block_tables.shape[1] - 1)  # [L]
+    blocks = block_tables.index_select(1, block_cols).long()  # [S, L]
+    slots = blocks * block_size + positions % block_size  # [S, L]
+    return slots.masked_fill_(positions[None, :] >= seq_lens[:, None].long(), 0)
+
+
+class TorchPagedAttention:
+    """`AttentionBackend` built on `torch.nn.functional.scaled_dot_product_attention`."""
+
+    name = "torch_paged"
+
+    def __init__(self) -> None:
+        self._plan_metadata: AttentionMetadata | None = None
+        self._plan_block_size = 0
+        self._plan: _StepPlan | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        plan = self._get_plan(metadata, k_cache.shape[1])
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        if plan.write_rows is None:
+            k_flat.index_copy_(0, plan.write_slots, k)
+            v_flat.index_copy_(0, plan.write_slots, v)
+        elif plan.write_slots.numel():
+            k_flat.index_copy_(0, plan.write_slots, k.index_select(0, plan.write_rows))
+            v_flat.index_copy_(0, plan.write_slots, v.index_select(0, plan.write_rows))
+
+        if not plan.prefill and plan.decode_rows is None:
+            # Every row is one decode sequence: the output is the batched result itself.
+            return self._decode(q, k_flat, v_flat, plan, scale)
+
+        out = torch.empty_like(q)  # [T, Hq, D]
+        if plan.decode_slots is not None:
+            out.index_copy_(0, plan.decode_rows, self._decode(q.index_select(0, plan.decode_rows),
+                                                                k_flat, v_flat, plan, scale))
+        for start, end, seq_len, slots in plan.prefill:
+            if slots is None:
+                # No cached prefix: the new keys are the whole context, and the mask is plain causal.
+                ctx_k, ctx_v, causal_mask = k[start:end], v[start:end], None
+            else:
+                ctx_k, ctx_v = k_flat.index_select(0, slots), v_flat.index_select(0, slots)  # [L, Hkv, D]
+                query_len = end - start
+                # Query j sits at position seq_len - query_len + j and sees keys up to it.
+                rows = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
+                causal_mask = torch.arange(seq_len, device=q.device)[None, :] <= rows  # [Tq, L]
+            attn = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1),  # [Hq, Tq, D]
+                ctx_k.transpose(0, 1),  # [Hkv, L, D]
+                ctx_v.transpose(0, 1),
+                attn_mask=causal_mask,
+                is_causal=causal_mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )  # [Hq, Tq, D]
+            out[start:end] = attn.transpose(0, 1)
+        return out
+
+    # ------------------------------------------------------------------ internals
+
+    def _decode(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                plan: _StepPlan, scale: float) -> torch.Tensor:
+        """q [S, Hq, D] (one query per sequence) -> [S, Hq, D]."""
+        num_seqs, num_heads, head_dim = q.shape
+        num_kv_heads = k_flat.shape[1]
+        group = num_heads // num_kv_heads
+        ctx_k = k_flat[plan.decode_slots].transpose(1, 2)  # [S, Hkv, L, D]
+        ctx_v = v_flat[plan.decode_slots].transpose(1, 2)
+        # NOTE: the G query heads sharing a kv head become G query rows of that head, so GQA needs no
+        # copy of the keys; with a single query per sequence there is nothing causal to mask.
+        grouped_q = q.view(num_seqs, num_kv_heads, group, head_dim)  # [S, Hkv, G, D]
+        attn = F.scaled_dot_product_attention(grouped_q, ctx_k, ctx_v, attn_mask=plan.decode_mask, scale=scale)
+        return attn.reshape(num_seqs, num_heads, head_dim)
+
+    def _get_plan(self, metadata: AttentionMetadata, block_size: int) -> _StepPlan:
+        if metadata is not self._plan_metadata or block_size != self._plan_block_size:
+            self._plan = self._build_plan(metadata, block_size)
+            self._plan_metadata, self._plan_block_size = metadata, block_size
+        return self._plan
+
+    @staticmethod
+    def _build_plan(metadata: AttentionMetadata, block_size: int) -> _StepPlan:
+        slot_mapping = metadata.slot_mapping.long()
+        valid = slot_mapping >= 0
+        if bool(valid.all()):
+            write_slots, write_rows = slot_mapping, None
+        else:
+            write_rows = valid.nonzero().squeeze(1)
+            write_slots = slot_mapping.index_select(0, write_rows)
+
+        starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+        decode_seqs = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+        prefill = []
+        for i in range(len(seq_lens)):
+            start, end = starts[i], starts[i + 1]
+            if end - start > 1:
+                slots = None
+                if seq_lens[i] != end - start:
+                    slots = _context_slots(metadata.block_tables[i:i + 1], metadata.seq_lens[i:i + 1],
+                                           seq_lens[i], block_size)[0]
+                prefill.append((start, end, seq_lens[i], slots))
+
+        decode_rows = decode_slots = decode_mask = None
+        if decode_seqs:
+            device = metadata.block_tables.device
+            all_decode = len(decode_seqs) == len(seq_lens) and starts[-1] == len(seq_lens) \
+                and slot_mapping.shape[0] == len(seq_lens)
+            if all_decode:
+                tables, lens = metadata.block_tables, metadata.seq_lens
+            else:
+                index = torch.tensor(decode_seqs, device=device)
+                tables, lens = metadata.block_tables.index_select(0, index), metadata.seq_lens.index_select(0, index)
+                decode_rows = torch.tensor([starts[i] for i in decode_seqs], device=device)
+            decode_lens = [seq_lens[i] for i in decode_seqs]
+            max_len = max(decode_lens)
+            decode_slots = _context_slots(tables, lens, max_len, block_size)
+            if min(decode_lens) != max_len:
+                positions = torch.arange(max_len, device=device)
+                decode_mask = (positions[None, :] < lens[:, None].long())[:, None, None, :]
+        return _StepPlan(write_slots, write_rows, decode_rows, decode_slots, decode_mask, prefill)

@@ -1,0 +1,125 @@
+"""Reading GGUF files: metadata, and tensors dequantized to float under Hugging Face names."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from inference_service.errors import UnsupportedModelError
+from inference_service.model.config import ModelConfig
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# llama.cpp's per-frequency rope divisors: part of the config here, not a weight.
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """GGUF tensor name -> HF parameter name; `UnsupportedModelError` for tensors we have no use for."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_RE.match(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        layer, kind, suffix = match.groups()
+        return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+    raise UnsupportedModelError(f"unsupported GGUF tensor {gguf_name!r}")
+
+
+def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation for llama-architecture models.
+
+    llama.cpp's converter reorders each head's rows from HF's "halves" RoPE layout (first half of the
+    head, then second half) to interleaved pairs (row 2i from the first half, 2i+1 from the second),
+    matching its own RoPE kernel. Our RoPE is HF's, so the rows go back: within each head, view the
+    rows as [head_dim // 2, 2] and transpose to [2, head_dim // 2]."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+class GGUFCheckpoint:
+    """An open GGUF file: `metadata` (key -> Python value), `config`, and `weights()`."""
+
+    def __init__(self, path: str):
+        import gguf
+
+        self.path = path
+        try:
+            self._reader = gguf.GGUFReader(path)
+        except Exception as exc:  # the gguf package raises bare ValueErrors for bad magic etc.
+            raise UnsupportedModelError(f"cannot read GGUF file {path!r}: {exc}") from exc
+        self.metadata: dict[str, Any] = {}
+        for key, field in self._reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            self.metadata[key] = field.contents()
+        self.architecture: str = self.metadata.get("general.architecture", "")
+        self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
+        for tensor in self._reader.tensors:
+            if tensor.tensor_type.name not in SUPPORTED_TYPES:
+                raise UnsupportedModelError(
+                    f"GGUF tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}; "
+                    f"supported: {', '.join(SUPPORTED_TYPES)}")
+        freq_factors = None
+        if ROPE_FREQS in self._tensors:
+            freq_factors = self._dequantize(self._tensors[ROPE_FREQS]).reshape(-1).tolist()
+        self.config = ModelConfig.from_gguf_metadata(self.metadata, set(self._tensors), freq_factors)
+
+    @property
+    def model_name(self) -> str | None:
+        return self.metadata.get("general.name")
+
+    def weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, dequantized tensor in `dtype`) one at a time, so memory stays one tensor deep."""
+        config = self.config
+        permuted = self.architecture == "llama"
+        for name, tensor in self._tensors.items():
+            if name == ROPE_FREQS:
+                continue
+            hf_name = hf_tensor_name(name)
+            array = self._dequantize(tensor)
+            if permuted and ".self_attn.q_proj." in hf_name:
+                array = unpermute_rope_rows(array, config.num_attention_heads)
+            elif permuted and ".self_attn.k_proj." in hf_name:
+                array = unpermute_rope_rows(array, config.num_key_value_heads)
+            if not array.flags.writeable:  # F32 tensors are views of the read-only file mapping
+                array = array.copy()
+            yield hf_name, torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+
+    @staticmethod
+    def _dequantize(tensor) -> np.ndarray:
+        import gguf
+
+        kind = tensor.tensor_type.name
+        if kind == "F32":
+            array = np.asarray(tensor.data, dtype=np.float32)
+        elif kind == "F16":
+            array = np.asarray(tensor.data, dtype=np.float16).astype(np.float32)
+        else:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        # GGUF lists dims fastest-first; numpy (and torch) want them slowest-first.
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        return array.reshape(shape)

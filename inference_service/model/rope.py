@@ -1,0 +1,131 @@
+"""Rotary position embeddings: inverse frequencies per rope type, and a cos/sin cache.
+
+The frequencies follow Hugging Face's `ROPE_INIT_FUNCTIONS` op for op in float32, so cos/sin are
+bit-identical to transformers' and greedy decoding can be compared token for token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from inference_service.errors import UnsupportedModelError
+from inference_service.model.config import ModelConfig
+
+
+def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    # [dim // 2] float32
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+
+
+def _llama3_inv_freq(base: float, dim: int, scaling: dict) -> torch.Tensor:
+    inv_freq = _default_inv_freq(base, dim)
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are divided by `factor`, short ones kept, the middle band interpolated.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(base: float, dim: int, scaling: dict, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = max_position_embeddings / original
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+    truncate = scaling.get("truncate", True)
+
+    def correction_dim(num_rotations: float) -> float:
+        # The dimension whose wavelength completes `num_rotations` turns over the original context.
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    inv_freq_extrapolation = 1.0 / pos_freqs
+    inv_freq_interpolation = 1.0 / (factor * pos_freqs)
+    extrapolation_weight = 1 - ramp
+    inv_freq = (inv_freq_interpolation * (1 - extrapolation_weight)
+                + inv_freq_extrapolation * extrapolation_weight)
+    return inv_freq, float(attention_factor)
+
+
+def compute_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim // 2] float32, attention scaling applied to cos/sin)."""
+    base, dim, scaling = config.rope_theta, config.head_dim, config.rope_scaling
+    rope_type = scaling["rope_type"] if scaling else "default"
+    if rope_type == "default":
+        inv_freq, attention_factor = _default_inv_freq(base, dim), 1.0
+    elif rope_type == "linear":
+        inv_freq, attention_factor = _default_inv_freq(base, dim) / scaling["factor"], 1.0
+    elif rope_type == "llama3":
+        inv_freq, attention_factor = _llama3_inv_freq(base, dim, scaling), 1.0
+    elif rope_type == "yarn":
+        inv_freq, attention_factor = _yarn_inv_freq(base, dim, scaling, config.max_position_embeddings)
+    else:
+        raise UnsupportedModelError(f"unsupported rope type {rope_type!r}")
+    if config.rope_freq_factors is not None:
+        # llama.cpp's `rope_freqs.weight`: per-frequency divisors (how it stores llama3 scaling).
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    return inv_freq, attention_factor
+
+
+class RotaryEmbedding:
+    """A cos/sin table for positions [0, max_positions), and the rotation applied with it.
+
+    The rotation is Hugging Face's "rotate half" form: x * cos + rotate_half(x) * sin, where
+    rotate_half(x) = cat(-x2, x1). We store sin with the sign folded in (`[-sin, sin]`), so the rotation
+    is a roll by half the head plus two multiplies and an add, with the same rounding as HF's.
+    """
+
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        inv_freq, attention_factor = compute_inv_freq(config)
+        self.head_dim = config.head_dim
+        self.max_positions = config.max_position_embeddings
+        positions = torch.arange(self.max_positions, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        cos = emb.cos() * attention_factor
+        sin = emb.sin() * attention_factor
+        half = self.head_dim // 2
+        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.cos = cos.to(device=device, dtype=dtype)  # [P, D]
+        self.sin_signed = sin_signed.to(device=device, dtype=dtype)  # [P, D]
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin for `positions` [T] -> each [T, 1, D], broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+
+    def apply_(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, H, D] in place (x may be a view into a larger buffer) and return it."""
+        rotated = torch.roll(x, shifts=self.head_dim // 2, dims=-1)  # [T, H, D] = cat(x2, x1)
+        rotated.mul_(sin_signed)
+        x.mul_(cos).add_(rotated)
+        return x

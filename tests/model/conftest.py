@@ -1,0 +1,85 @@
+"""Session-wide fixtures for model tests: the embedded SmolLM2 loaded once by us and once by HF."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))  # for `harness`
+
+from inference_service.model.loader import default_model_path, load_model  # noqa: E402
+
+CHAT_PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "List three prime numbers."}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Explain recursion in one sentence."}],
+]
+RAW_PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "The quick brown fox",
+    "Once upon a time, in a land far away,",
+    "Les bases de données relationnelles",
+]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_path):
+    return load_model(smollm_path)
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_tokenizer(smollm_path):
+    transformers = pytest.importorskip("transformers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoTokenizer.from_pretrained(os.path.dirname(smollm_path),
+                                                         gguf_file=os.path.basename(smollm_path))
+
+
+@pytest.fixture(scope="session")
+def smollm_prompts(smollm) -> list[list[int]]:
+    """Token ids of the 8 reference prompts: 4 chat-templated, 4 raw text."""
+    tok = smollm.tokenizer
+    chats = [tok.encode(tok.apply_chat_template(m), add_special_tokens=False) for m in CHAT_PROMPTS]
+    return chats + [tok.encode(text) for text in RAW_PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def hf_reference_tokens(smollm_path, smollm_prompts) -> list[list[int]]:
+    """HF transformers' greedy continuation (fp32, CPU) of each prompt."""
+    transformers = pytest.importorskip("transformers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformers.utils.logging.disable_progress_bar()
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path), dtype=torch.float32)
+    model.eval()
+    outputs = []
+    with torch.inference_mode():
+        for ids in smollm_prompts:
+            outputs.append(hf_greedy(model, ids, NEW_TOKENS))
+    del model
+    return outputs
+
+
+def hf_greedy(model, ids: list[int], num_tokens: int) -> list[int]:
+    """Plain argmax decoding with HF's KV cache: no logits processors, no stopping at EOS."""
+    out = model(torch.tensor([ids]), use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    for _ in range(num_tokens - 1):
+        out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
