@@ -179,6 +179,24 @@ def test_top_k_top_p_min_p_masks_match_reference(trial):
     assert checked >= n // 2
 
 
+def test_top_p_cutoff_deep_in_a_flat_distribution():
+    # Flat rows need far more than the first top-p candidates; peaked rows very few.
+    vocab = 3000
+    logits = torch.randn(4, vocab)
+    logits[0] *= 0.05
+    logits[1] *= 8.0
+    logits[2] *= 0.3
+    params = [SamplingParams(top_p=0.95), SamplingParams(top_p=0.7), SamplingParams(top_p=0.5, top_k=2000),
+              SamplingParams(top_p=1.0, min_p=0.2)]
+    batch = SamplingBatch.build(params, [[]] * 4, [[]] * 4, [None] * 4)
+    masked = apply_top_k_top_p_min_p(logits.clone(), batch.top_k, batch.top_p, batch.min_p)
+    for i, p in enumerate(params):
+        want = ref_allowed(logits[i].tolist(), p)
+        if want is not None:
+            assert set(torch.nonzero(torch.isfinite(masked[i])).flatten().tolist()) == want
+    assert torch.isfinite(masked[0]).sum() > 1000
+
+
 def test_sampled_tokens_stay_in_allowed_set():
     rng = random.Random()
     vocab, n = 64, 300
