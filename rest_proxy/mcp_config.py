@@ -22,7 +22,8 @@ class McpServerConfig(BaseModel):
     url: str | None = None
     headers: dict[str, str] = Field(default_factory=dict)
     disabled: bool = False
-    timeout: float = Field(default=30.0, gt=0, description="seconds for connecting and for each tool call")
+    timeout: float = Field(default=30.0, gt=0, description="seconds for each tool call and tool listing")
+    startup_timeout: float = Field(default=30.0, gt=0, description="seconds for starting and connecting")
 
     @model_validator(mode="after")
     def _one_transport(self) -> McpServerConfig:

@@ -96,7 +96,7 @@ class McpServerConnection:
         client = Client(self._target(), message_handler=self._on_message,
                         read_timeout_seconds=self.config.timeout, cache=None)
         async with contextlib.AsyncExitStack() as stack:
-            async with asyncio.timeout(self.config.timeout):
+            async with asyncio.timeout(self.config.startup_timeout):
                 await stack.enter_async_context(client)
                 await self._refresh(client)
             self.client = client
@@ -127,8 +127,9 @@ class McpServerConnection:
                     await self._refresh(client)
                 log.info("MCP server %s: tools changed, now %d", self.name, len(self.tools))
                 continue
+            # NOTE: no `ping` at 2026-07-28; listing the tools proves liveness and catches missed changes.
             async with asyncio.timeout(self.config.timeout):
-                await client.send_ping()
+                await self._refresh(client)
         raise ConnectionError("transport failed")
 
     async def _refresh(self, client: Client) -> None:
