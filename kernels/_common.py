@@ -80,3 +80,21 @@ def mma(a, b, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc, input_precision=DOT_PREC)
+
+
+# NOTE: read once at import, like triton.jit itself reads TRITON_INTERPRET when it decorates.
+_INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def cast(x, DTYPE: tl.constexpr):
+    """x.to(DTYPE), rounding to nearest even.
+
+    NOTE: the interpreter's fp32 -> bf16 cast truncates; there the rounding is done on the bits
+    (finite values), so interpreted results round as the GPU's do."""
+    if _INTERPRETED and DTYPE == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+        bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & -65536
+        return bits.to(tl.float32, bitcast=True).to(DTYPE)
+    else:
+        return x.to(DTYPE)

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
+    cast,
     ACT_DTYPES,
     is_interpreter,
     next_pow2,
@@ -33,7 +34,7 @@ def _silu_and_mul_kernel(
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + D + offs, mask=mask, other=0.0).to(tl.float32)
     y = gate * tl.sigmoid(gate) * up
-    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + offs, cast(y, out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(

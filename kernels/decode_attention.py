@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
+    cast,
     ACT_DTYPES,
     CACHE_DTYPES,
     FP8_DTYPE,
@@ -80,7 +81,7 @@ def _decode_split_kernel(
     stride_po_split,
     stride_pl_seq,
     stride_pl_head,
-    GROUP: tl.constexpr,
+    group,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -106,8 +107,8 @@ def _decode_split_kernel(
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
-    heads = kv_head * GROUP + offs_h
-    h_mask = offs_h < GROUP
+    heads = kv_head * group + offs_h
+    h_mask = offs_h < group
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     q = tl.load(
@@ -154,7 +155,7 @@ def _decode_split_kernel(
             mask=kv_mask,
             other=0.0,
         ).to(q.dtype)
-        acc = mma(p.to(q.dtype), v, acc * alpha[:, None], DOT_PREC, UPCAST)
+        acc = mma(cast(p, q.dtype), v, acc * alpha[:, None], DOT_PREC, UPCAST)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -164,7 +165,7 @@ def _decode_split_kernel(
         o = o * v_scale
         tl.store(
             out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty),
+            cast(o, out_ptr.dtype.element_ty),
             mask=hd_mask,
         )
     else:
@@ -209,7 +210,7 @@ def _decode_merge_kernel(
         other=0.0,
     )  # [NUM_SPLITS, BLOCK_D]
     o = tl.sum(o * w[:, None], 0) * (v_scale / denom)
-    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d, cast(o, out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
@@ -247,7 +248,7 @@ def paged_decode_attention(
 
     Query head h reads KV head h // (num_q_heads // num_kv_heads). Keys are `seq_lens[i]` tokens,
     the query being the last of them (its K/V must already be in the cache). `sliding_window=W`
-    keeps the last W keys; `soft_cap=c` maps scores s to c * tanh(s / c) (Gemma 2). With an fp8
+    keeps the last W keys; a sequence with seq_len 0 (batch padding) gets zeros; `soft_cap=c` maps scores s to c * tanh(s / c) (Gemma 2). With an fp8
     (e4m3) cache, stored values are multiplied by `k_scale` / `v_scale`.
 
     `num_kv_splits` (a power of two <= 64) defaults to `choose_num_kv_splits(...)`, which needs
@@ -339,7 +340,7 @@ def paged_decode_attention(
         part_o.stride(2) if num_kv_splits > 1 else 0,
         part_lse.stride(0) if num_kv_splits > 1 else 0,
         part_lse.stride(1) if num_kv_splits > 1 else 0,
-        GROUP=group,
+        group,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_H=block_h,
@@ -422,6 +423,9 @@ def paged_decode_attention_ref(
     """Plain torch paged decode attention in float64; returns float64 [num_seqs, Hq, D]."""
     outs = []
     for i, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:  # padding sequence: the kernel writes zeros
+            outs.append(torch.zeros((1,) + tuple(q.shape[1:]), dtype=torch.float64, device=q.device))
+            continue
         k = gather_context_ref(k_cache, block_tables[i], seq_len, k_scale)
         v = gather_context_ref(v_cache, block_tables[i], seq_len, v_scale)
         pos = torch.tensor([seq_len - 1], device=q.device)

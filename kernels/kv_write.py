@@ -36,8 +36,8 @@ def _round_to_e4m3(x):
     q_exp = tl.maximum(exp - 3, 127 - 9)  # 3 mantissa bits; subnormal quantum 2**-9
     quantum = (q_exp << 23).to(tl.float32, bitcast=True)
     inv_quantum = ((254 - q_exp) << 23).to(tl.float32, bitcast=True)
-    r = (x * inv_quantum + 12582912.0) - 12582912.0
-    return r * quantum
+    r = ((tl.abs(x) * inv_quantum + 12582912.0) - 12582912.0) * quantum
+    return tl.where(bits < 0, -r, r)  # the sign bit, so that -0.0001 stays -0.0 as in torch
 
 
 @triton.jit
@@ -46,7 +46,6 @@ def _store_row(
     dst_ptr,
     token,
     slot,
-    valid,
     scale,
     stride_src_tok,
     stride_src_head,
@@ -63,13 +62,13 @@ def _store_row(
     offs = tl.arange(0, BLOCK_HD)
     head = offs // HEAD_DIM
     dim = offs % HEAD_DIM
-    mask = (offs < NUM_HEADS * HEAD_DIM) & valid
+    mask = (offs < NUM_HEADS * HEAD_DIM) & ((offs * 0 + slot) >= 0)
     x = tl.load(src_ptr + token * stride_src_tok + head * stride_src_head + dim, mask=mask, other=0.0)
     block = slot // PAGE_SIZE
     in_page = slot % PAGE_SIZE
     dst = dst_ptr + block * stride_dst_block + in_page * stride_dst_tok + head * stride_dst_head + dim
     if QUANT:
-        y = x.to(tl.float32) / scale  # IEEE division, as torch
+        y = tl.math.div_rn(x.to(tl.float32), scale)  # IEEE division (`/` may be approximate)
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         if EXACT_ROUND:
             y = _round_to_e4m3(y)
@@ -106,11 +105,10 @@ def _kv_write_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    valid = slot >= 0
-    _store_row(k_ptr, k_cache_ptr, token, slot, valid, k_scale, stride_k_tok, stride_k_head,
+    _store_row(k_ptr, k_cache_ptr, token, slot, k_scale, stride_k_tok, stride_k_head,
                stride_kc_block, stride_kc_tok, stride_kc_head,
                NUM_HEADS, HEAD_DIM, BLOCK_HD, PAGE_SIZE, QUANT, EXACT_ROUND)  # fmt: skip
-    _store_row(v_ptr, v_cache_ptr, token, slot, valid, v_scale, stride_v_tok, stride_v_head,
+    _store_row(v_ptr, v_cache_ptr, token, slot, v_scale, stride_v_tok, stride_v_head,
                stride_vc_block, stride_vc_tok, stride_vc_head,
                NUM_HEADS, HEAD_DIM, BLOCK_HD, PAGE_SIZE, QUANT, EXACT_ROUND)  # fmt: skip
 
@@ -180,7 +178,9 @@ def write_kv_cache(
 
 def quantize_fp8_ref(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x / scale saturated to the e4m3 range and cast (torch rounds to nearest even)."""
-    return (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    x = x.to(torch.float32)
+    # NOTE: a tensor divisor: torch divides by a Python scalar through its reciprocal (not IEEE).
+    return (x / torch.full_like(x, scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def write_kv_cache_ref(

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
+    cast,
     ACT_DTYPES,
     CACHE_DTYPES,
     FP8_DTYPE,
@@ -99,7 +100,7 @@ def _prefill_tiles(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
-        acc = mma(p.to(q.dtype), v, acc * alpha[:, None], DOT_PREC, UPCAST)
+        acc = mma(cast(p, q.dtype), v, acc * alpha[:, None], DOT_PREC, UPCAST)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -128,7 +129,7 @@ def _prefill_kernel(
     stride_bt_seq,
     stride_o_tok,
     stride_o_head,
-    GROUP: tl.constexpr,
+    group,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -150,7 +151,7 @@ def _prefill_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix = seq_len - q_len
-    kv_head = head // GROUP
+    kv_head = head // group
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_mask = offs_m < q_len
@@ -200,7 +201,7 @@ def _prefill_kernel(
     o = acc * (v_scale / l_safe)[:, None]
     tl.store(
         out_ptr + q_rows[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
-        o.to(out_ptr.dtype.element_ty),
+        cast(o, out_ptr.dtype.element_ty),
         mask=m_mask[:, None] & d_mask[None, :],
     )
 
@@ -307,7 +308,7 @@ def paged_prefill_attention(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
-        GROUP=num_q_heads // num_kv_heads,
+        num_q_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_M=block_m,

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
+    cast,
     ACT_DTYPES,
     is_interpreter,
     next_pow2,
@@ -46,14 +47,14 @@ def _rms_norm_kernel(
     if HAS_RESIDUAL:
         r_ptrs = residual_ptr + row * stride_r + offs
         r = tl.load(r_ptrs, mask=mask, other=0.0)
-        h = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+        h = cast(x.to(tl.float32) + r.to(tl.float32), r.dtype)
         tl.store(r_ptrs, h, mask=mask)
         h = h.to(tl.float32)
     else:
         h = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, 0) / HIDDEN + eps)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32) + weight_offset
-    tl.store(out_ptr + row * stride_o + offs, (h * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + offs, cast(h * inv_rms * w, out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(x, residual, weight, eps, out, weight_offset):

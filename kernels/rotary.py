@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
+    cast,
     ACT_DTYPES,
     is_interpreter,
     next_pow2,
@@ -57,8 +58,8 @@ def _rotate_heads(
     x2 = tl.load(row + i2[None, :], mask=mask, other=0.0).to(tl.float32)
     y1 = x1 * cos[None, :] - x2 * sin[None, :]
     y2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(row + i1[None, :], y1.to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(row + i2[None, :], y2.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(row + i1[None, :], cast(y1, x_ptr.dtype.element_ty), mask=mask)
+    tl.store(row + i2[None, :], cast(y2, x_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

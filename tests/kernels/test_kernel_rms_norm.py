@@ -1,0 +1,70 @@
+"""RMSNorm and fused residual-add + RMSNorm against the float64 reference."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from kernel_testlib import DEVICE, DTYPE_IDS, ON_GPU, TOL, poisoned, rel_err
+
+from kernels import fused_add_rms_norm, rms_norm, rms_norm_ref
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+HIDDEN = (64, 80, 576, 4096, 5120) if ON_GPU else (64, 80, 576)
+ROWS = (1, 7, 64) if ON_GPU else (1, 7)
+GRID = list(itertools.product(HIDDEN, ROWS, (F32, F16, BF16)))
+
+
+@pytest.mark.parametrize("hidden,rows,dtype", GRID, ids=[f"h{h}-t{t}-{DTYPE_IDS[d]}" for h, t, d in GRID])
+def test_rms_norm(hidden, rows, dtype):
+    x = torch.randn(rows, hidden, device=DEVICE).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    out = poisoned(x.shape, dtype)
+    x_before = x.clone()
+    rms_norm(x, w, 1e-6, out=out)
+    ref, _ = rms_norm_ref(x, w, 1e-6)
+    assert torch.equal(x, x_before)
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("hidden,rows,dtype", GRID, ids=[f"h{h}-t{t}-{DTYPE_IDS[d]}" for h, t, d in GRID])
+def test_fused_add_rms_norm_in_place(hidden, rows, dtype):
+    x = torch.randn(rows, hidden, device=DEVICE).to(dtype)
+    residual = torch.randn(rows, hidden, device=DEVICE).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    ref, ref_residual = rms_norm_ref(x, w, 1e-5, residual=residual)
+    out = fused_add_rms_norm(x, residual, w, 1e-5)  # default: normalised into x
+    assert out.data_ptr() == x.data_ptr()
+    assert torch.equal(residual, ref_residual)  # the sum, rounded once to the residual dtype
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+def test_fused_add_rms_norm_separate_out_and_gemma_offset():
+    x = torch.randn(5, 80, device=DEVICE).to(BF16)
+    residual = torch.randn(5, 80, device=DEVICE).to(BF16)
+    w = (0.1 * torch.randn(80, device=DEVICE)).to(BF16)
+    x_before = x.clone()
+    ref, ref_residual = rms_norm_ref(x, w, 1e-6, residual=residual, weight_offset=1.0)
+    out = poisoned(x.shape, BF16)
+    fused_add_rms_norm(x, residual, w, 1e-6, out=out, weight_offset=1.0)
+    assert torch.equal(x, x_before) and torch.equal(residual, ref_residual)
+    assert rel_err(out, ref) <= TOL[BF16]
+
+
+def test_rms_norm_strided_rows():
+    big = torch.randn(6, 200, device=DEVICE)
+    x = big[:, :96]  # row stride 200
+    w = torch.randn(96, device=DEVICE)
+    out = rms_norm(x, w, 1e-6)
+    assert rel_err(out, rms_norm_ref(x, w, 1e-6)[0]) <= TOL[F32]
+
+
+def test_rms_norm_checks_arguments():
+    x = torch.randn(3, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, torch.ones(63, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        fused_add_rms_norm(x, torch.randn(3, 32, device=DEVICE), torch.ones(64, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        rms_norm(x.t(), torch.ones(3, device=DEVICE), 1e-6)
