@@ -115,10 +115,11 @@ class ModelConfig:
         rope_theta, rope_scaling = _hf_rope(cfg)
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError(f"{architecture} with mlp_bias=true is not supported")
-        if model_type == "mistral" and cfg.get("sliding_window") not in (None, 0) and \
-                cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
-            # NOTE: we attend over the whole context; a window shorter than the context would differ.
-            raise UnsupportedModelError(f"{architecture} with sliding_window={cfg['sliding_window']} is not supported")
+        # NOTE: we attend over the whole context; a sliding window shorter than it would differ.
+        window = cfg.get("sliding_window")
+        uses_window = cfg.get("use_sliding_window", model_type == "mistral")
+        if uses_window and window and window < cfg.get("max_position_embeddings", 0):
+            raise UnsupportedModelError(f"{architecture} with sliding_window={window} is not supported")
         return cls(
             model_type=model_type,
             architecture=architecture,

@@ -1,0 +1,130 @@
+"""The torch paged backend against a dense reference, over mixed prefill/decode batches, GQA and padding."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from harness import build_metadata
+from inference_service.attention.backend import AttentionBackend, get_attention_backend
+from inference_service.attention.torch_paged import TorchPagedAttention
+
+
+def dense_attention(q, k, v, scale):
+    """q [Tq, Hq, D] at the end of a context k, v [L, Hkv, D] -> [Tq, Hq, D], by explicit softmax."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, Hq, D]
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale  # [Hq, Tq, L]
+    offset = k.shape[0] - q.shape[0]
+    allowed = torch.arange(k.shape[0])[None, :] <= (torch.arange(q.shape[0])[:, None] + offset)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).to(q.dtype)
+
+
+def run_case(num_heads, num_kv_heads, head_dim, block_size, cached_lens, query_lens, seed, pad_rows=0):
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    num_blocks = 64
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables, histories_k, histories_v = [], [], []
+    for cached in cached_lens:
+        # Each sequence's already-cached context: random keys/values written into its own blocks.
+        total = cached + query_lens[len(tables)]
+        table = [free.pop() for _ in range(math.ceil(total / block_size))]
+        hk = torch.randn(cached, num_kv_heads, head_dim, generator=gen)
+        hv = torch.randn(cached, num_kv_heads, head_dim, generator=gen)
+        for pos in range(cached):
+            k_cache[table[pos // block_size], pos % block_size] = hk[pos]
+            v_cache[table[pos // block_size], pos % block_size] = hv[pos]
+        tables.append(table)
+        histories_k.append(hk)
+        histories_v.append(hv)
+    metadata = build_metadata(cached_lens, query_lens, tables, block_size)
+    num_tokens = sum(query_lens)
+    if pad_rows:
+        # Trailing padding rows (slot -1) as a padded batch would have.
+        metadata.slot_mapping = torch.cat([metadata.slot_mapping, torch.full((pad_rows,), -1)])
+    total_rows = num_tokens + pad_rows
+    q = torch.randn(total_rows, num_heads, head_dim, generator=gen)
+    k = torch.randn(total_rows, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(total_rows, num_kv_heads, head_dim, generator=gen)
+    untouched = k_cache.clone()
+    scale = head_dim ** -0.5
+    out = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, metadata, scale)
+    assert out.shape == (total_rows, num_heads, head_dim)
+    start = 0
+    for i, (cached, query_len) in enumerate(zip(cached_lens, query_lens)):
+        rows = slice(start, start + query_len)
+        ctx_k = torch.cat([histories_k[i], k[rows]])
+        ctx_v = torch.cat([histories_v[i], v[rows]])
+        expected = dense_attention(q[rows], ctx_k, ctx_v, scale)
+        torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+        for j, pos in enumerate(range(cached, cached + query_len)):
+            assert torch.equal(k_cache[tables[i][pos // block_size], pos % block_size], k[start + j])
+            assert torch.equal(v_cache[tables[i][pos // block_size], pos % block_size], v[start + j])
+        start += query_len
+    # Nothing but the new tokens' slots changed (the -1 padding rows wrote nothing).
+    changed = (k_cache != untouched).any(-1).any(-1).nonzero().tolist()
+    written = {(tables[i][p // block_size], p % block_size) for i, c in enumerate(cached_lens)
+               for p in range(c, c + query_lens[i])}
+    assert {tuple(x) for x in changed} <= written
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(4, 4, 16, 4), (9, 3, 64, 16), (8, 1, 32, 5)])
+def test_mixed_prefill_and_decode(num_heads, num_kv_heads, head_dim, block_size):
+    # fresh prefill, chunked prefill over a cached prefix, decodes of different context lengths
+    run_case(num_heads, num_kv_heads, head_dim, block_size,
+             cached_lens=[0, 9, 17, 0, 3], query_lens=[7, 5, 1, 1, 1], seed=head_dim)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_decode_only_batches(seed):
+    rng = random.Random(seed)
+    cached = [rng.randint(0, 40) for _ in range(6)]
+    run_case(6, 2, 16, 4, cached_lens=cached, query_lens=[1] * 6, seed=seed)
+
+
+def test_decode_only_equal_lengths_and_single_sequence():
+    run_case(4, 2, 8, 4, cached_lens=[12, 12, 12], query_lens=[1, 1, 1], seed=5)
+    run_case(4, 2, 8, 4, cached_lens=[0], query_lens=[1], seed=6)
+
+
+def test_padding_rows_are_not_written():
+    run_case(4, 2, 8, 4, cached_lens=[5, 0], query_lens=[1, 6], seed=8, pad_rows=3)
+    run_case(4, 2, 8, 4, cached_lens=[5, 2], query_lens=[1, 1], seed=9, pad_rows=2)
+
+
+def test_batched_equals_per_sequence():
+    """One mixed batch gives the same rows as running each sequence alone."""
+    cached, queries = [4, 0, 11, 6], [1, 6, 1, 3]
+    gen = torch.Generator().manual_seed(0)
+    block_size, heads, kv_heads, dim = 4, 6, 3, 16
+    caches = (torch.randn(40, block_size, kv_heads, dim, generator=gen),
+              torch.randn(40, block_size, kv_heads, dim, generator=gen))
+    tables = [[3, 17, 9, 25], [30, 2], [11, 5, 38, 20], [7, 33, 14]]
+    q = torch.randn(sum(queries), heads, dim, generator=gen)
+    k = torch.randn(sum(queries), kv_heads, dim, generator=gen)
+    v = torch.randn(sum(queries), kv_heads, dim, generator=gen)
+    batch_caches = (caches[0].clone(), caches[1].clone())
+    batched = TorchPagedAttention().forward(q, k, v, *batch_caches, build_metadata(cached, queries, tables, block_size),
+                                            0.25)
+    start = 0
+    for i in range(4):
+        rows = slice(start, start + queries[i])
+        alone_caches = (caches[0].clone(), caches[1].clone())
+        alone = TorchPagedAttention().forward(q[rows], k[rows], v[rows], *alone_caches,
+                                              build_metadata([cached[i]], [queries[i]], [tables[i]], block_size), 0.25)
+        torch.testing.assert_close(batched[rows], alone, atol=1e-6, rtol=1e-6)
+        start += queries[i]
+
+
+def test_backend_protocol():
+    backend = get_attention_backend("cpu")
+    assert isinstance(backend, AttentionBackend)
+    assert backend.name == "torch_paged"
