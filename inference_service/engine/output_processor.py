@@ -46,7 +46,11 @@ class OutputProcessor:
         if matched_stop is not None:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, matched_stop
         elif seq.is_finished:
-            text += state.stop_matcher.flush()
+            # Release what was held back: a trailing partial character, a possible stop-string start.
+            tail, matched_stop = state.stop_matcher.feed(state.detokenizer.flush())
+            text += tail if matched_stop is not None else tail + state.stop_matcher.flush()
+            if matched_stop is not None:
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, matched_stop
         logprobs = None
         if sampled.logprob is not None:
             logprobs = [TokenLogprob(token_id, sampled.logprob, sampled.top_logprobs or [])]

@@ -1,0 +1,139 @@
+"""The engine loop on the embedded model: batch invariance, preemption, n > 1, stop strings."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from inference_service.config import CacheConfig, EngineConfig, SchedulerConfig
+from inference_service.engine.llm_engine import LLMEngine
+from inference_service.engine.sampling_params import SamplingParams
+from inference_service.engine.sequence import FinishReason
+from inference_service.metrics import EngineMetrics
+from inference_service.model.loader import load_model
+
+PROMPTS = [
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+    "1, 2, 3,",
+    "The capital of Germany is",
+    "Water boils at",
+    "import numpy as np\nimport torch\n\n",
+    "In 1492,",
+    "Photosynthesis is the process by which plants",
+    "Dear Sir or Madam,",
+    "The best way to learn a language is",
+    "SELECT * FROM users WHERE",
+    "Roses are red,",
+    "Q: What is 2+2?\nA:",
+    "The mitochondria is the powerhouse of the cell. " * 6,
+    "Hello",
+]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(None)
+
+
+def make_engine(loaded, num_blocks_mib: int = 64, **scheduler) -> LLMEngine:
+    config = EngineConfig(cache=CacheConfig(kv_cache_memory_mib=num_blocks_mib),
+                          scheduler=SchedulerConfig(**scheduler))
+    return LLMEngine(config, loaded=loaded, metrics=EngineMetrics("test", registry=CollectorRegistry()))
+
+
+def run(engine: LLMEngine, prompts: list[str], params: SamplingParams) -> dict[str, dict]:
+    """Adds every prompt at once and steps until all finish; returns tokens/text/usage by id."""
+    results: dict[str, dict] = {}
+    for i, text in enumerate(prompts):
+        request = engine.input_processor.process(f"r{i}", text, params)
+        engine.add_request(request)
+        results[f"r{i}"] = {"tokens": {}, "text": {}, "finish": {}, "usage": None}
+    while engine.has_unfinished:
+        for d in engine.step():
+            r = results[d.request_id]
+            r["tokens"].setdefault(d.index, []).extend(d.token_ids)
+            r["text"][d.index] = r["text"].get(d.index, "") + d.text
+            if d.finish_reason is not None:
+                r["finish"][d.index] = d.finish_reason
+            if d.usage is not None:
+                r["usage"] = d.usage
+    return results
+
+
+def assert_all_blocks_free(engine: LLMEngine) -> None:
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_sixteen_concurrent_equal_each_alone(loaded):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine = make_engine(loaded)
+    alone = {f"r{i}": run(engine, [p], params)["r0"]["tokens"][0] for i, p in enumerate(PROMPTS)}
+    together = run(engine, PROMPTS, params)
+    for rid, tokens in alone.items():
+        assert together[rid]["tokens"][0] == tokens, rid
+        assert together[rid]["usage"].completion_tokens == 24
+    assert_all_blocks_free(engine)
+
+
+def test_preemption_gives_the_same_greedy_output(loaded):
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    prompts = PROMPTS[:8]
+    reference = run(make_engine(loaded), prompts, params)
+    # 6 MiB of KV cache = 8 blocks of 16 tokens (720 KiB each): 8 sequences of ~60 tokens need 32.
+    small = make_engine(loaded, num_blocks_mib=6)
+    assert small.block_manager.num_blocks == 8
+    preempted = run(small, prompts, params)
+    assert small.scheduler.num_preemptions > 0
+    for rid in reference:
+        assert preempted[rid]["tokens"] == reference[rid]["tokens"], rid
+    assert_all_blocks_free(small)
+
+
+def test_chunked_prefill_gives_the_same_greedy_output(loaded):
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    prompts = [PROMPTS[14], PROMPTS[2]]
+    reference = run(make_engine(loaded), prompts, params)
+    chunked = run(make_engine(loaded, max_num_batched_tokens=20, max_prefill_chunk=7, max_num_seqs=4), prompts, params)
+    for rid in reference:
+        assert chunked[rid]["tokens"] == reference[rid]["tokens"], rid
+
+
+def test_n_completions_share_prompt_blocks(loaded):
+    engine = make_engine(loaded)
+    prompt = PROMPTS[14]  # 60+ tokens: several full blocks
+    request = engine.input_processor.process("n", prompt, SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=4))
+    engine.add_request(request)
+    engine.step()  # all four prefilled in one step
+    seqs = engine.requests["n"].seqs
+    num_full = (len(request.prompt_token_ids) - 1) // 16
+    first_blocks = seqs[0].block_table[:num_full]
+    for seq in seqs[1:]:
+        assert seq.block_table[:num_full] == first_blocks
+    for block_id in first_blocks:
+        assert engine.block_manager.blocks[block_id].ref_count == 4
+    while engine.has_unfinished:
+        engine.step()
+    assert_all_blocks_free(engine)
+
+
+def test_stop_string_spanning_tokens_is_not_emitted(loaded):
+    engine = make_engine(loaded)
+    base = run(engine, ["1, 2, 3, 4,"], SamplingParams(temperature=0.0, max_tokens=12))["r0"]
+    text = base["text"][0]
+    stop = text[text.index("6") - 1 : text.index("6") + 3]  # e.g. " 6, " spans several tokens
+    stopped = run(engine, ["1, 2, 3, 4,"], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]))["r0"]
+    assert stopped["text"][0] == text[: text.index(stop)]
+    assert stopped["finish"][0] == FinishReason.STOP
+    assert_all_blocks_free(engine)
+
+
+def test_seeded_sampling_is_batch_independent(loaded):
+    engine = make_engine(loaded)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=42, max_tokens=16, ignore_eos=True)
+    alone = run(engine, [PROMPTS[0]], seeded)["r0"]["tokens"][0]
+    mixed = run(engine, [PROMPTS[1], PROMPTS[0], PROMPTS[2]], seeded)["r1"]["tokens"][0]
+    assert alone == mixed
