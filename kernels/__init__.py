@@ -9,7 +9,7 @@ from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.decode_attention import choose_num_kv_splits, paged_decode_attention, paged_decode_attention_ref
 from kernels.kv_write import quantize_fp8_ref, write_kv_cache, write_kv_cache_ref
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
-from kernels.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_ref
+from kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary, build_cos_sin_cache, rope_inv_freq, rotary_ref
 
 __all__ = [

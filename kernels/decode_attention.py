@@ -301,8 +301,9 @@ def paged_decode_attention(
     if is_interpreter():
         block_n = block_n or 16
     else:
-        block_n = block_n or (64 if q.dtype != torch.float32 else 32)
-        num_warps = num_warps or 4
+        fp32 = q.dtype == torch.float32
+        block_n = block_n or (32 if fp32 else 64)
+        num_warps = num_warps or (8 if fp32 else 4)  # NOTE: fp32 at 4 warps spills registers
         num_stages = num_stages or 2
     launch_opts = {} if is_interpreter() else {"num_warps": num_warps, "num_stages": num_stages}
 

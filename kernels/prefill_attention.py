@@ -275,9 +275,9 @@ def paged_prefill_attention(
         block_n = block_n or 16
         launch_opts = {}
     else:
-        if q.dtype == torch.float32:
-            block_m, block_n = block_m or 64, block_n or 32
-            num_warps, num_stages = num_warps or 4, num_stages or 2
+        if q.dtype == torch.float32:  # NOTE: fp32 (FMA dot) tiles chosen to fit registers without spills
+            block_m, block_n = block_m or 32, block_n or 64
+            num_warps, num_stages = num_warps or 8, num_stages or 2
         else:
             block_m, block_n = block_m or 128, block_n or 64
             num_warps, num_stages = num_warps or 8, num_stages or 3

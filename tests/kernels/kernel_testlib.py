@@ -48,8 +48,10 @@ def random_seq_block_tables(
     return table
 
 
-def slots_for(block_table: torch.Tensor, positions: range, page_size: int) -> list[int]:
-    return [int(block_table[p // page_size]) * page_size + p % page_size for p in positions]
+def slots_for(block_table: torch.Tensor, num_tokens: int, page_size: int) -> torch.Tensor:
+    """Slots of a sequence's tokens 0..num_tokens-1 [num_tokens] int64."""
+    pos = torch.arange(num_tokens, device=block_table.device)
+    return block_table.long()[pos // page_size] * page_size + pos % page_size
 
 
 class PagedKV:
@@ -78,12 +80,10 @@ class PagedKV:
         self.block_tables = random_seq_block_tables(seq_lens, page_size, num_blocks).to(DEVICE)
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
         self.k_scale, self.v_scale = k_scale, v_scale
-        slots = []
-        for i, n in enumerate(seq_lens):
-            slots += slots_for(self.block_tables[i].cpu(), range(n), page_size)
+        slots = [slots_for(self.block_tables[i], n, page_size) for i, n in enumerate(seq_lens)]
         total = sum(seq_lens)
         # K/V values of a real model's size: scale chosen so fp8 uses its range without saturating.
         k = torch.randn(total, num_kv_heads, head_dim, device=DEVICE).to(dtype)
         v = torch.randn(total, num_kv_heads, head_dim, device=DEVICE).to(dtype)
-        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+        slot_mapping = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64, device=DEVICE)
         write_kv_cache_ref(k, v, self.k_cache, self.v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
