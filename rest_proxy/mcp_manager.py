@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import re
 
 import anyio
@@ -45,6 +46,7 @@ class McpServerConnection:
         self._changed = asyncio.Event()
         self._broken = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._scope: anyio.CancelScope | None = None
 
     def _target(self):
         if self.config.command is not None:
@@ -65,12 +67,19 @@ class McpServerConnection:
         self._task = asyncio.create_task(self._supervise(), name=f"mcp-{self.name}")
 
     async def stop(self) -> None:
+        # NOTE: cancel through anyio, not Task.cancel(): the SDK's shielded cleanup (which stops a
+        # stdio server's process) only survives cancellation delivered by a cancel scope.
+        if self._scope is not None:
+            self._scope.cancel()
         if self._task is not None:
-            self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+                await asyncio.wait_for(self._task, timeout=10)
 
     async def _supervise(self) -> None:
+        with anyio.CancelScope() as self._scope:
+            await self._supervise_loop()
+
+    async def _supervise_loop(self) -> None:
         backoff = 0.5
         while True:
             try:
@@ -87,7 +96,7 @@ class McpServerConnection:
                 self.tools = {}
                 self.first_attempt.set()
             log.info("MCP server %s: reconnecting in %.1f s", self.name, backoff)
-            await asyncio.sleep(backoff)
+            await anyio.sleep(backoff)
             backoff = min(backoff * 2, self.max_backoff)
 
     async def _run_once(self) -> None:
@@ -95,18 +104,22 @@ class McpServerConnection:
         self._changed.clear()
         client = Client(self._target(), message_handler=self._on_message,
                         read_timeout_seconds=self.config.timeout, cache=None)
-        async with contextlib.AsyncExitStack() as stack:
-            async with asyncio.timeout(self.config.startup_timeout):
-                await stack.enter_async_context(client)
+        # NOTE: one scope around the client's whole life (the SDK's task groups must nest inside it);
+        # its deadline covers startup only and is lifted once connected.
+        with anyio.CancelScope(deadline=anyio.current_time() + self.config.startup_timeout) as scope:
+            async with client:
                 await self._refresh(client)
-            self.client = client
-            self.connects += 1
-            self.first_attempt.set()
-            log.info("MCP server %s: connected, %d tools", self.name, len(self.tools))
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._listen, client)
-                await self._watch(client)
-                tg.cancel_scope.cancel()
+                scope.deadline = math.inf
+                self.client = client
+                self.connects += 1
+                self.first_attempt.set()
+                log.info("MCP server %s: connected, %d tools", self.name, len(self.tools))
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._listen, client)
+                    await self._watch(client)
+                    tg.cancel_scope.cancel()
+        if scope.cancelled_caught:
+            raise TimeoutError(f"not connected within {self.config.startup_timeout:g} s")
 
     async def _listen(self, client: Client) -> None:
         """On 2026-07-28+ connections change events come on a `subscriptions/listen` stream."""
@@ -123,12 +136,12 @@ class McpServerConnection:
                 await asyncio.wait_for(self._changed.wait(), timeout=self.ping_interval)
             if self._changed.is_set():
                 self._changed.clear()
-                async with asyncio.timeout(self.config.timeout):
+                with anyio.fail_after(self.config.timeout):
                     await self._refresh(client)
                 log.info("MCP server %s: tools changed, now %d", self.name, len(self.tools))
                 continue
             # NOTE: no `ping` at 2026-07-28; listing the tools proves liveness and catches missed changes.
-            async with asyncio.timeout(self.config.timeout):
+            with anyio.fail_after(self.config.timeout):
                 await self._refresh(client)
         raise ConnectionError("transport failed")
 
@@ -214,7 +227,7 @@ class McpManager:
             self._count(conn.name, tool.name, "unavailable")
             return f"Error: the tool server {conn.name!r} is unavailable."
         try:
-            async with asyncio.timeout(conn.config.timeout):
+            with anyio.fail_after(conn.config.timeout):
                 result = await client.call_tool(tool.name, arguments)
         except TimeoutError:
             self._count(conn.name, tool.name, "timeout")
