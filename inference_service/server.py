@@ -9,6 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
@@ -17,7 +18,7 @@ from inference_service.api import pb, pb_grpc
 from inference_service.config import EngineConfig, ServerConfig
 from inference_service.engine.async_engine import AsyncEngine
 from inference_service.engine.llm_engine import LLMEngine
-from inference_service.errors import EngineError
+from inference_service.errors import EngineError, InvalidRequestError
 from inference_service.servicer import InferenceServicer
 
 logger = logging.getLogger(__name__)
@@ -33,8 +34,35 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
+class _Undecodable:
+    """Stands in for a request whose bytes are not a valid protobuf message."""
+
+    def __init__(self, error: DecodeError):
+        self.error = InvalidRequestError(f"the request is not a valid protobuf message: {error}")
+
+
+def _tolerant(deserialize):
+    # NOTE: grpc answers a deserializer's exception with INTERNAL/UNKNOWN; a client's bad bytes
+    # are its own fault, so hand the handler a marker and let it answer INVALID_ARGUMENT.
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except DecodeError as e:
+            return _Undecodable(e)
+
+    return parse if deserialize is not None else None
+
+
+async def _checked(request_iterator):
+    async for request in request_iterator:
+        if isinstance(request, _Undecodable):
+            raise request.error
+        yield request
+
+
 class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
-    """Ends an InferenceService call that raised with the status `status_for` gives."""
+    """Ends an InferenceService call that raised with the status `status_for` gives;
+    undecodable request bytes end it with INVALID_ARGUMENT."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -45,19 +73,21 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary(request, context):
                 try:
+                    if isinstance(request, _Undecodable):
+                        raise request.error
                     return await behavior(request, context)
                 except Exception as e:  # noqa: BLE001 - mapped, never swallowed
                     await context.abort(*status_for(e))
 
             return grpc.unary_unary_rpc_method_handler(
-                unary, handler.request_deserializer, handler.response_serializer
+                unary, _tolerant(handler.request_deserializer), handler.response_serializer
             )
         if handler.stream_stream is not None:
             stream_behavior = handler.stream_stream
 
             async def stream(request_iterator, context):
                 try:
-                    async for response in stream_behavior(request_iterator, context):
+                    async for response in stream_behavior(_checked(request_iterator), context):
                         yield response
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
@@ -65,7 +95,7 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
                     await context.abort(*status_for(e))
 
             return grpc.stream_stream_rpc_method_handler(
-                stream, handler.request_deserializer, handler.response_serializer
+                stream, _tolerant(handler.request_deserializer), handler.response_serializer
             )
         return handler
 
