@@ -17,6 +17,7 @@ from rest_proxy.chat import ChatService
 from rest_proxy.completions import CompletionService, prompt_inputs
 from rest_proxy.config import ProxyConfig
 from rest_proxy.disconnect import CancelOnDisconnectMiddleware
+from rest_proxy.drain import DrainMiddleware, DrainState
 from rest_proxy.engine_client import EngineRouter
 from rest_proxy.errors import ProxyError, install_error_handlers, invalid_request
 from rest_proxy.mcp_manager import McpManager
@@ -59,6 +60,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
     app.add_middleware(CancelOnDisconnectMiddleware)
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.state.drain = DrainState()
+    app.add_middleware(DrainMiddleware, state=app.state.drain)  # outermost: sees every request
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):

@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tool-call format (default: from the model's chat template and family)")
     serve.add_argument("--request-timeout", type=float, default=None,
                        help="deadline in seconds for each engine call (exceeded: 504)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish after SIGTERM; meanwhile new ones get 503")
     serve.add_argument("--log-level", default="info")
     return parser
 
@@ -64,7 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"rest-proxy: serving the OpenAI API on http://{args.host}:{args.port}/v1 "
           f"(engines: {', '.join(config.engines)})", flush=True)
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level.lower())
+    from rest_proxy.drain import DrainingServer
+
+    app = create_app(config)
+    # After the drain, uvicorn itself gets a second to cancel what is left.
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                                           timeout_graceful_shutdown=1), app.state.drain, args.shutdown_timeout)
+    server.run()
     return 0
 
 

@@ -22,6 +22,11 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    # NOTE: reconnect within a second of a restarted engine coming back; gRPC's default backoff
+    # grows to 120 s, which would keep answering 503 long after the engine is up again.
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 
