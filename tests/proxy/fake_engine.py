@@ -85,7 +85,7 @@ class FakeEngine(pb_grpc.InferenceServiceServicer):
         which = start.WhichOneof("input")
         if which == "chat":
             return render_chat(start.chat)
-        return start.text if which == "text" else "".join(chr(i) for i in start.token_ids.ids)
+        return start.text if which == "text" else "".join(chr(i % 0xD800) for i in start.token_ids.ids)
 
     def _outputs(self, start: pb.StartGeneration, key: str) -> list[str]:
         n = max(start.n, 1)
