@@ -98,3 +98,16 @@ def cast(x, DTYPE: tl.constexpr):
         return bits.to(tl.float32, bitcast=True).to(DTYPE)
     else:
         return x.to(DTYPE)
+
+
+@triton.jit
+def fp16_operand(q, sm_scale):
+    """q as fp16 for dots against an fp8 K/V cache, and the score scale that undoes its scaling.
+
+    NOTE: e4m3 widens to fp16 in one instruction, to bf16 only through fp32 (a quarter-rate
+    conversion that made fp8 decode slower than bf16), so fp8 K/V meet q in fp16. q is scaled
+    so that its largest element is 2**14: fp16 cannot overflow, and keeps more bits than bf16."""
+    q32 = q.to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(q32), 1), 0)
+    q_mul = tl.where(amax > 0.0, 16384.0 / amax, 1.0)
+    return (q32 * q_mul).to(tl.float16), sm_scale / q_mul

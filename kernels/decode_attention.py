@@ -29,6 +29,7 @@ from kernels._common import (
     FP8_DTYPE,
     dot_precision,
     dot_upcast,
+    fp16_operand,
     is_interpreter,
     mma,
     next_pow2,
@@ -92,6 +93,7 @@ def _decode_split_kernel(
     USE_SOFT_CAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -116,6 +118,8 @@ def _decode_split_kernel(
         mask=h_mask[:, None] & d_mask[None, :],
         other=0.0,
     )  # [BLOCK_H, BLOCK_D]
+    if FP16_DOTS:
+        q, sm_scale = fp16_operand(q, sm_scale)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_base = k_cache_ptr + kv_head * stride_k_head
@@ -304,7 +308,7 @@ def paged_decode_attention(
         fp32 = q.dtype == torch.float32
         block_n = block_n or (32 if fp32 else 64)
         num_warps = num_warps or (8 if fp32 else 4)  # NOTE: fp32 at 4 warps spills registers
-        num_stages = num_stages or 2
+        num_stages = num_stages or 3
     launch_opts = {} if is_interpreter() else {"num_warps": num_warps, "num_stages": num_stages}
 
     if num_kv_splits > 1:
@@ -352,6 +356,7 @@ def paged_decode_attention(
         USE_SOFT_CAP=soft_cap is not None,
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=dot_upcast(),
+        FP16_DOTS=k_cache.dtype == FP8_DTYPE and q.dtype != torch.float32,
         **launch_opts,
     )
     if num_kv_splits > 1:

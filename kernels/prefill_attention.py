@@ -26,6 +26,7 @@ from kernels._common import (
     FP8_DTYPE,
     dot_precision,
     dot_upcast,
+    fp16_operand,
     is_interpreter,
     mma,
     next_pow2,
@@ -139,6 +140,7 @@ def _prefill_kernel(
     USE_SOFT_CAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
 ):
     # NOTE: the last query tiles (the longest key ranges) go first, for a shorter tail.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -164,6 +166,8 @@ def _prefill_kernel(
         mask=m_mask[:, None] & d_mask[None, :],
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
+    if FP16_DOTS:
+        q, sm_scale = fp16_operand(q, sm_scale)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_base = k_cache_ptr + kv_head * stride_k_head
@@ -279,8 +283,8 @@ def paged_prefill_attention(
             block_m, block_n = block_m or 32, block_n or 64
             num_warps, num_stages = num_warps or 8, num_stages or 2
         else:
-            block_m, block_n = block_m or 128, block_n or 64
-            num_warps, num_stages = num_warps or 8, num_stages or 3
+            block_m, block_n = block_m or 64, block_n or 64
+            num_warps, num_stages = num_warps or 4, num_stages or 3
         launch_opts = {"num_warps": num_warps, "num_stages": num_stages}
     require(block_m >= 16 and block_n >= 16, "block_m and block_n must be >= 16")
 
@@ -318,6 +322,7 @@ def paged_prefill_attention(
         USE_SOFT_CAP=soft_cap is not None,
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=dot_upcast(),
+        FP16_DOTS=k_cache.dtype == FP8_DTYPE and q.dtype != torch.float32,
         **launch_opts,
     )
     return out
