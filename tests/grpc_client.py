@@ -51,9 +51,10 @@ class EngineProcess:
         return self.process.returncode
 
 
-def start_engine(*args: str, log_path: str, timeout_s: float = 180) -> EngineProcess:
-    """Starts `inference-service serve` on free loopback ports and waits for health SERVING."""
-    port, metrics_port = free_port(), free_port()
+def start_engine(*args: str, log_path: str, timeout_s: float = 180, port: int | None = None) -> EngineProcess:
+    """Starts `inference-service serve` on free loopback ports (or the given gRPC `port`, to restart
+    an engine where its clients expect it) and waits for health SERVING."""
+    port, metrics_port = port or free_port(), free_port()
     cmd = [sys.executable, "-m", "inference_service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--metrics-port", str(metrics_port), *args]
     log = open(log_path, "w")
