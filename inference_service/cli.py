@@ -19,7 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None,
-                   help="GGUF file or Hugging Face safetensors folder; default: the embedded SmolLM2-135M-Instruct")
+                   help="GGUF file, Hugging Face safetensors folder (decoder, or BERT encoder for embeddings only) "
+                        "or all-minilm-l6-v2; default: the embedded SmolLM2-135M-Instruct")
     m.add_argument("--served-model-name", default=None, help="name clients use; default: derived from the model")
     m.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     m.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
@@ -27,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--yarn-scaling-factor", type=float, default=None,
                    help="turn on YaRN rope scaling with this factor (extends the context by that much)")
     m.add_argument("--seed", type=int, default=0, help="seed of the engine's shared random generator")
+    m.add_argument("--embedding-pooling", default=None, choices=["mean", "cls", "last", "max"],
+                   help="pooling of Embed; default: the model's sentence-transformers config, else last token")
     c = p.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     c.add_argument("--kv-cache-memory", type=int, default=None, dest="kv_cache_memory_mib",
@@ -63,6 +66,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_model_len=args.max_model_len,
         yarn_scaling_factor=args.yarn_scaling_factor,
         seed=args.seed,
+        embedding_pooling=args.embedding_pooling,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_mib=args.kv_cache_memory_mib,

@@ -56,6 +56,9 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     yarn_scaling_factor: float | None = None
     seed: int = 0
+    # Pooling of embeddings ("mean", "cls", "last", "max"); None = the model's sentence-transformers
+    # configuration, else last-token for decoders.
+    embedding_pooling: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -68,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.yarn_scaling_factor is not None and self.yarn_scaling_factor <= 1.0:
             raise ValueError(f"--yarn-scaling-factor must be > 1, got {self.yarn_scaling_factor}")
+        if self.embedding_pooling not in (None, "mean", "cls", "last", "max"):
+            raise ValueError(f"--embedding-pooling must be mean, cls, last or max, got {self.embedding_pooling!r}")
 
 
 @dataclass(slots=True)

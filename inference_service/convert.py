@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from inference_service.api import pb
+from inference_service.engine.embedding_engine import EmbeddingResult, EmbedOptions
 from inference_service.engine.input_processor import ChatPrompt
 from inference_service.engine.request import CompletionDelta
 from inference_service.engine.sampling_params import SamplingParams
@@ -137,4 +138,26 @@ def delta_to_proto(request_id: str, delta: CompletionDelta, tokenizer: Tokenizer
                                          cached_tokens=u.cached_tokens))
     if delta.error is not None:
         response.error.CopyFrom(error_to_proto(delta.error))
+    return response
+
+
+def embed_inputs_from_proto(msg: pb.EmbedRequest) -> list[str | list[int]]:
+    inputs: list[str | list[int]] = []
+    for i, item in enumerate(msg.inputs):
+        kind = item.WhichOneof("input")
+        if kind is None:
+            raise InvalidRequestError(f"inputs[{i}] sets neither text nor token_ids", field=f"inputs[{i}]")
+        inputs.append(item.text if kind == "text" else list(item.token_ids.ids))
+    return inputs
+
+
+def embed_options_from_proto(msg: pb.EmbedRequest) -> EmbedOptions:
+    return EmbedOptions(truncate=msg.truncate, normalize=_optional(msg, "normalize", None),
+                        dimensions=msg.dimensions)
+
+
+def embedding_result_to_proto(request_id: str, result: EmbeddingResult) -> pb.EmbedResponse:
+    response = pb.EmbedResponse(request_id=request_id, prompt_tokens=result.prompt_tokens)
+    for values, num_tokens in zip(result.embeddings.tolist(), result.num_tokens, strict=True):
+        response.embeddings.add(values=values, num_tokens=num_tokens)
     return response

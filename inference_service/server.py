@@ -17,8 +17,10 @@ from prometheus_client import start_http_server
 from inference_service.api import pb, pb_grpc
 from inference_service.config import EngineConfig, ServerConfig
 from inference_service.engine.async_engine import AsyncEngine
-from inference_service.engine.llm_engine import LLMEngine
+from inference_service.engine.embedding_engine import create_embedding_engine
+from inference_service.engine.llm_engine import LLMEngine, resolve_device, resolve_dtype
 from inference_service.errors import EngineError, InvalidRequestError
+from inference_service.model.loader import load_model
 from inference_service.servicer import InferenceServicer
 
 logger = logging.getLogger(__name__)
@@ -105,9 +107,25 @@ class EngineServer:
 
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, llm: LLMEngine | None = None):
         self.server_config = server_config
-        self.llm = llm or LLMEngine(engine_config)
-        self.model_name = engine_config.served_model_name or self.llm.loaded.model_name
-        self.engine = AsyncEngine(self.llm)
+        if llm is None:
+            device = resolve_device(engine_config.device)
+            dtype = resolve_dtype(engine_config.dtype, device)
+            loaded = load_model(engine_config.model, device=device, dtype=dtype,
+                                yarn_scaling_factor=engine_config.yarn_scaling_factor)
+            # An encoder (BERT) only embeds: no KV cache, no generation engine.
+            llm = None if loaded.is_encoder else LLMEngine(engine_config, loaded=loaded)
+        else:
+            loaded, device, dtype = llm.loaded, llm.device, llm.dtype
+        self.llm = llm
+        self.model_name = engine_config.served_model_name or loaded.model_name
+        self.engine = AsyncEngine(self.llm) if self.llm is not None else None
+        self.embedder = create_embedding_engine(
+            loaded, device=device, dtype=dtype, pooling_mode=engine_config.embedding_pooling,
+            max_model_len=llm.max_model_len if llm is not None else engine_config.max_model_len,
+            block_size=engine_config.cache.block_size,
+            run_on_model_thread=self.engine.run_on_engine_thread if self.engine is not None else None)
+        # Stopped in this order: a decoder's embeddings run on the generation engine's thread.
+        self.engines = [e for e in (self.embedder, self.engine) if e is not None]
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self._shutdown = asyncio.Event()
@@ -124,7 +142,8 @@ class EngineServer:
                 ("grpc.keepalive_permit_without_calls", 1),
             ],
         )
-        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.engine, self.model_name), self.server)
+        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.engine, self.model_name, self.embedder),
+                                                  self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
@@ -133,7 +152,8 @@ class EngineServer:
 
     async def start(self) -> int:
         cfg = self.server_config
-        self.engine.start()
+        for engine in self.engines:
+            engine.start()
         self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
@@ -155,14 +175,19 @@ class EngineServer:
     async def shutdown(self) -> None:
         """Drains: NOT_SERVING first, no new requests, in-flight ones get `shutdown_timeout`."""
         timeout = self.server_config.shutdown_timeout
-        logger.info("shutting down: draining %d requests (up to %.0fs)", self.engine.num_active_requests, timeout)
+        def num_active() -> int:
+            return sum(engine.num_active_requests for engine in self.engines)
+
+        logger.info("shutting down: draining %d requests (up to %.0fs)", num_active(), timeout)
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.engine.is_draining = True
+        for engine in self.engines:
+            engine.is_draining = True
         deadline = time.monotonic() + timeout
-        while self.engine.num_active_requests and time.monotonic() < deadline:
+        while num_active() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        await self.engine.stop()  # aborts whatever did not finish in time
+        for engine in self.engines:
+            await engine.stop()  # aborts whatever did not finish in time
         await self.server.stop(grace=1.0)
         logger.info("shut down")
 

@@ -11,12 +11,17 @@ from inference_service.api import pb, pb_grpc
 from inference_service.convert import (
     chat_from_proto,
     delta_to_proto,
+    embed_inputs_from_proto,
+    embed_options_from_proto,
+    embedding_result_to_proto,
     error_response,
     error_to_proto,
     prompt_from_proto,
     sampling_params_from_proto,
 )
 from inference_service.engine.async_engine import AsyncEngine
+from inference_service.engine.embedding_engine import EmbeddingEngine
+from inference_service.engine.input_processor import InputProcessor
 from inference_service.engine.request import EngineRequest
 from inference_service.errors import EngineError, InvalidRequestError, UnimplementedError
 
@@ -26,13 +31,22 @@ _WAKE = object()  # wakes the response loop when a request or the reader ends
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine | None, model_name: str, embedder: EmbeddingEngine | None = None):
+        """`engine` is None for an encoder model (Generate answers UNIMPLEMENTED); `embedder` serves Embed."""
         self.engine = engine
-        self.llm = engine.engine
-        self.tokenizer = self.llm.tokenizer
+        self.llm = engine.engine if engine is not None else None
+        self.embedder = embedder
+        self.loaded = self.llm.loaded if self.llm is not None else embedder.loaded
+        self.tokenizer = self.loaded.tokenizer
         self.model_name = model_name
+        self.input_processor = self.llm.input_processor if self.llm is not None else InputProcessor(
+            self.tokenizer, embedder.max_input_tokens, self.loaded.config.vocab_size)
 
     def _make_request(self, engine_request_id: str, start: pb.StartGeneration) -> EngineRequest:
+        if self.llm is None:
+            raise UnimplementedError(
+                f"model {self.model_name!r} is an encoder ({self.loaded.config.model_type}) and serves only Embed "
+                f"and Tokenize, not Generate")
         params = sampling_params_from_proto(start)
         add_special = start.add_special_tokens if start.HasField("add_special_tokens") else None
         return self.llm.input_processor.process(engine_request_id, prompt_from_proto(start), params, add_special)
@@ -113,7 +127,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             response.token_ids.extend(tok.encode(t.text, add_special_tokens=add_special))
         elif op == "detokenize":
             d = msg.detokenize
-            vocab = self.llm.loaded.config.vocab_size
+            vocab = self.loaded.config.vocab_size
             bad = [i for i in d.ids if i >= vocab]
             if bad:
                 raise InvalidRequestError(
@@ -123,7 +137,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             response.text = tok.decode(list(d.ids), skip_special_tokens=skip)
             return response
         elif op == "render_chat":
-            response.text = self.llm.input_processor.render_chat(chat_from_proto(msg.render_chat))
+            response.text = self.input_processor.render_chat(chat_from_proto(msg.render_chat))
             response.token_ids.extend(tok.encode(response.text, add_special_tokens=False))
         else:
             raise InvalidRequestError("set one of tokenize, detokenize or render_chat", field="operation")
@@ -131,39 +145,79 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return response
 
     async def Embed(self, request_iterator, context) -> AsyncIterator[pb.EmbedResponse]:
-        raise UnimplementedError(f"model {self.model_name!r} is generative and does not serve embeddings")
-        yield  # pragma: no cover - makes this an async generator like the other streams
+        if self.embedder is None:
+            raise UnimplementedError(f"model {self.model_name!r} does not serve embeddings")
+        out: asyncio.Queue = asyncio.Queue()
+        active: dict[str, asyncio.Task] = {}  # client request id -> task computing its embeddings
+
+        async def embed(msg: pb.EmbedRequest) -> None:
+            try:
+                result = await self.embedder.embed(embed_inputs_from_proto(msg), embed_options_from_proto(msg))
+                out.put_nowait(embedding_result_to_proto(msg.request_id, result))
+            except EngineError as e:
+                out.put_nowait(pb.EmbedResponse(request_id=msg.request_id, error=error_to_proto(e)))
+            finally:
+                active.pop(msg.request_id, None)
+                out.put_nowait(_WAKE)
+
+        async def read_requests() -> None:
+            try:
+                async for msg in request_iterator:
+                    if not msg.request_id or msg.request_id in active:
+                        reason = "must not be empty" if not msg.request_id else "is already running on this stream"
+                        error = InvalidRequestError(f"request_id {msg.request_id!r} {reason}", field="request_id")
+                        out.put_nowait(pb.EmbedResponse(request_id=msg.request_id, error=error_to_proto(error)))
+                        continue
+                    active[msg.request_id] = asyncio.create_task(embed(msg))
+            finally:
+                out.put_nowait(_WAKE)
+
+        reader = asyncio.create_task(read_requests())
+        try:
+            while not (reader.done() and not active and out.empty()):
+                item = await out.get()
+                if item is not _WAKE:
+                    yield item
+            await reader  # surfaces a failure of the request stream itself
+        finally:
+            reader.cancel()
+            for task in list(active.values()):
+                task.cancel()
 
     async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
-        llm, tok = self.llm, self.tokenizer
-        cfg = llm.loaded.config
+        llm, tok, embedder = self.llm, self.tokenizer, self.embedder
+        cfg = self.loaded.config
         special = pb.SpecialTokens(eos_token_ids=tok.eos_token_ids, bos_token=tok.bos_token or "",
                                    eos_token=tok.eos_token or "")
         if tok.bos_token_id is not None:
             special.bos_token_id = tok.bos_token_id
         if tok.pad_token_id is not None:
             special.pad_token_id = tok.pad_token_id
-        sched = llm.config.scheduler
-        return pb.GetModelInfoResponse(
+        response = pb.GetModelInfoResponse(
             model_name=self.model_name,
             family=cfg.model_type,
             architecture=cfg.architecture,
-            max_context_length=llm.max_model_len,
+            max_context_length=llm.max_model_len if llm is not None else embedder.max_input_tokens,
             vocab_size=cfg.vocab_size,
             special_tokens=special,
             has_chat_template=tok.chat_template is not None,
             chat_template=tok.chat_template or "",
-            kv_cache=pb.KvCacheInfo(
-                block_size=llm.block_manager.block_size,
-                num_blocks=llm.block_manager.num_blocks,
-                dtype=str(llm.dtype).removeprefix("torch."),
-                max_num_seqs=sched.max_num_seqs,
-                max_num_batched_tokens=sched.max_num_batched_tokens,
-                prefix_caching=llm.block_manager.enable_prefix_caching,
-                device=str(llm.device),
-            ),
-            supports_generate=True,
-            supports_embed=False,
-            model_path=llm.loaded.model_path,
+            supports_generate=llm is not None,
+            supports_embed=embedder is not None,
+            embedding_dimensions=embedder.embedding_dimensions if embedder is not None else 0,
+            model_path=self.loaded.model_path,
         )
+        if llm is None:
+            return response
+        sched = llm.config.scheduler
+        response.kv_cache.CopyFrom(pb.KvCacheInfo(
+            block_size=llm.block_manager.block_size,
+            num_blocks=llm.block_manager.num_blocks,
+            dtype=str(llm.dtype).removeprefix("torch."),
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            prefix_caching=llm.block_manager.enable_prefix_caching,
+            device=str(llm.device),
+        ))
+        return response
 

@@ -226,7 +226,7 @@ def test_model_info(stub):
     assert info.has_chat_template and "<|im_start|>" in info.chat_template
     assert list(info.special_tokens.eos_token_ids) == [2]
     assert info.kv_cache.block_size == 16 and info.kv_cache.num_blocks > 0
-    assert info.supports_generate and not info.supports_embed
+    assert info.supports_generate and info.supports_embed and info.embedding_dimensions == 576
 
 
 def test_tokenize_detokenize_render(stub):
@@ -245,7 +245,9 @@ def test_tokenize_detokenize_render(stub):
     assert (responses["bad"].error.code, responses["bad"].error.field) == (INVALID_ARGUMENT, "detokenize.ids")
 
 
-def test_embed_is_unimplemented_for_generative_model(stub):
-    with pytest.raises(grpc.RpcError) as e:
-        list(stub.Embed(iter([pb.EmbedRequest(request_id="e", inputs=[pb.EmbedInput(text="x")])]), timeout=5))
-    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+def test_generative_model_also_embeds(stub):
+    # Last-token pooling + L2 normalization by default (no sentence-transformers config in a GGUF).
+    [r] = stub.Embed(iter([pb.EmbedRequest(request_id="e", inputs=[pb.EmbedInput(text="Hello world")])]), timeout=30)
+    [emb] = r.embeddings
+    assert (r.request_id, r.prompt_tokens, emb.num_tokens, len(emb.values)) == ("e", 2, 2, 576)
+    assert abs(sum(v * v for v in emb.values) - 1.0) < 1e-4

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.request import CompletionDelta, EngineRequest, Usage
@@ -85,6 +87,15 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
+    def run_on_engine_thread(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Runs `fn()` on the step thread between two steps; returns its future.
+
+        NOTE: for model work outside the scheduler (decoder embeddings): the attention backend keeps
+        per-step state, so the model must never run on two threads at once."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("call", (fn, future)))
+        return future
+
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
         self._wakeup.set()
@@ -105,6 +116,13 @@ class AsyncEngine:
                 except EngineError as e:  # validation that needs engine state (cache size)
                     usage = Usage(len(arg.prompt_token_ids), 0, 0)
                     deltas.append(CompletionDelta(arg.request_id, 0, [], "", finish_reason=FinishReason.ERROR, usage=usage, error=e))
+            elif kind == "call":
+                fn, future = arg
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except Exception as e:  # noqa: BLE001 - handed to the caller
+                        future.set_exception(e)
             else:
                 deltas.extend(self.engine.abort_request(arg))
 
