@@ -158,7 +158,12 @@ def _decode_split_kernel(
             v_base + (block * stride_v_block + in_page * stride_v_tok)[:, None] + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
-        ).to(q.dtype)
+        )
+        if FP16_DOTS:
+            # NOTE: scaling V here (exact: fp32) makes the compiler widen it to fp16 before it goes
+            # through shared memory; fp8 transposed there is read byte by byte (64 LDS.U8 a tile).
+            v = v.to(tl.float32) * v_scale
+        v = v.to(q.dtype)
         acc = mma(cast(p, q.dtype), v, acc * alpha[:, None], DOT_PREC, UPCAST)
         m_i = m_new
 
@@ -166,7 +171,8 @@ def _decode_split_kernel(
     o = acc / l_safe[:, None]
     hd_mask = h_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
-        o = o * v_scale
+        if not FP16_DOTS:  # (else V came scaled)
+            o = o * v_scale
         tl.store(
             out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
             cast(o, out_ptr.dtype.element_ty),
@@ -310,6 +316,7 @@ def paged_decode_attention(
         num_warps = num_warps or (8 if fp32 else 4)  # NOTE: fp32 at 4 warps spills registers
         num_stages = num_stages or 3
     launch_opts = {} if is_interpreter() else {"num_warps": num_warps, "num_stages": num_stages}
+    fp16_dots = k_cache.dtype == FP8_DTYPE and q.dtype != torch.float32
 
     if num_kv_splits > 1:
         part_o = torch.empty((num_seqs, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
@@ -356,7 +363,7 @@ def paged_decode_attention(
         USE_SOFT_CAP=soft_cap is not None,
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=dot_upcast(),
-        FP16_DOTS=k_cache.dtype == FP8_DTYPE and q.dtype != torch.float32,
+        FP16_DOTS=fp16_dots,
         **launch_opts,
     )
     if num_kv_splits > 1:
@@ -364,7 +371,7 @@ def paged_decode_attention(
             part_o,
             part_lse,
             out,
-            float(v_scale),
+            1.0 if fp16_dots else float(v_scale),
             part_o.stride(0),
             part_o.stride(1),
             part_o.stride(2),
