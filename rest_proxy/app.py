@@ -79,6 +79,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
     @app.post("/v1/embeddings")
     async def create_embedding(req: EmbeddingRequest):
         client = await router.resolve(req.model)
+        if isinstance(req.input, list) and not req.input:
+            raise invalid_request("input must not be an empty list", "input")
         inputs = prompt_inputs(req.input) if not isinstance(req.input, str) else [req.input]
         request = pb.EmbedRequest(truncate=req.truncate, dimensions=req.dimensions or 0)
         for item in inputs:
@@ -103,6 +105,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models():
+        await router.refresh_missing()
         return {"object": "list", "data": [model_card(info) for info in router.models()]}
 
     @app.get("/v1/models/{model:path}")
@@ -143,6 +146,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         engines = []
+        await router.refresh_missing()
         for client in router.clients:
             serving = await client.is_serving(timeout=2.0)
             engines.append({"target": client.target, "model": client.model_name, "serving": serving})
