@@ -184,6 +184,12 @@ class EngineRouter:
             if missing:
                 await asyncio.gather(*(self._try_refresh(c) for c in missing))
 
+    async def refresh_missing(self, timeout: float = 1.0) -> None:
+        """Ask engines that have not described their model yet (they may have just come up)."""
+        unknown = [c for c in self.clients if c.info is None]
+        if unknown:
+            await asyncio.gather(*(self._try_refresh(c, timeout=timeout) for c in unknown))
+
     def models(self) -> list[pb.GetModelInfoResponse]:
         return [c.info for c in self.clients if c.info is not None]
 
@@ -193,7 +199,7 @@ class EngineRouter:
                 return client
         unknown = [c for c in self.clients if c.info is None]
         if unknown:
-            await asyncio.gather(*(self._try_refresh(c, timeout=1.0) for c in unknown))
+            await self.refresh_missing()
             for client in unknown:
                 if client.model_name == model:
                     return client
