@@ -61,7 +61,8 @@ class EngineClient:
 
     async def refresh_info(self, timeout: float = 2.0) -> pb.GetModelInfoResponse:
         try:
-            self.info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+            # wait_for_ready: an engine that just came up is reached once the channel reconnects.
+            self.info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, wait_for_ready=True)
         except grpc.aio.AioRpcError as err:
             raise self._error(err) from None
         return self.info
