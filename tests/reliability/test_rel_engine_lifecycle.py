@@ -19,7 +19,7 @@ from tests.grpc_client import free_port, start_engine
 from tests.proxy.servers import ProxyServer
 from tests.reliability.rel_helpers import engine_metrics, random_specs, send_all, wait_for
 
-SHUTDOWN_TIMEOUT = 10
+SHUTDOWN_TIMEOUT = 8
 ENGINE_ARGS = ("--max-model-len", "1100", "--kv-cache-memory", "64", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT))
 
 
@@ -60,6 +60,7 @@ def test_engine_sigterm_drains_under_load(port, proxy, tmp_path):
         wait_for(lambda: _proxy_once(proxy).ok, timeout=10)
         short = random_specs(3, max_tokens=16, seed=6)
         (long,) = random_specs(1, max_tokens=1000, seed=7)  # cannot finish within the timeout
+        long.index = len(short)  # records come back ordered by index
         grpc_load = _in_background(lambda: send_all(engine.target, [*short, long]))
         http_load = _in_background(lambda: send_all(proxy.url, random_specs(1, max_tokens=16, seed=8), http=True))
         wait_for(lambda: engine_metrics(engine)["inference_engine_requests_running"] == 5, timeout=20)
