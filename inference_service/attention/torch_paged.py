@@ -1,7 +1,7 @@
 """Paged attention in plain torch: the CPU backend, and the reference the GPU kernels are tested against.
 
-Decode sequences (one query each) are attended in one batched SDPA call: each sequence's context is
-gathered from its blocks into a padded [S, Hkv, L, D] tensor and a key mask hides the padding.
+Decode sequences (one query each) are attended in one batched SDPA call: each sequence's blocks are
+gathered whole into a padded [S, Hkv, NB * block_size, D] tensor and a key mask hides the padding.
 Sequences with several queries (prefill chunks) are attended one at a time.
 
 Index tensors derived from the metadata (which slots to write, where each decode context lives) are
@@ -25,8 +25,8 @@ class _StepPlan:
     write_slots: torch.Tensor  # [W] int64 cache slots of the rows written
     write_rows: torch.Tensor | None  # [W] int64 rows of k/v to write; None = all rows, in order
     decode_rows: torch.Tensor | None  # [S_dec] int64 query rows of decode sequences; None = every row
-    decode_slots: torch.Tensor | None  # [S_dec, L] int64 cache slot of each context token (padding -> 0)
-    decode_mask: torch.Tensor | None  # [S_dec, 1, 1, L] bool, True = attend; None = no padding
+    decode_blocks: torch.Tensor | None  # [S_dec, NB] int64 blocks holding each decode context (padding -> 0)
+    decode_mask: torch.Tensor | None  # [S_dec, 1, 1, NB * block_size] bool, True = attend; None = all valid
     prefill: list[tuple[int, int, int, torch.Tensor | None]]  # (row start, row end, seq_len, slots [L] or None)
 
 
@@ -73,12 +73,12 @@ class TorchPagedAttention:
 
         if not plan.prefill and plan.decode_rows is None:
             # Every row is one decode sequence: the output is the batched result itself.
-            return self._decode(q, k_flat, v_flat, plan, scale)
+            return self._decode(q, k_cache, v_cache, plan, scale)
 
         out = torch.empty_like(q)  # [T, Hq, D]
-        if plan.decode_slots is not None:
+        if plan.decode_blocks is not None:
             out.index_copy_(0, plan.decode_rows, self._decode(q.index_select(0, plan.decode_rows),
-                                                                k_flat, v_flat, plan, scale))
+                                                                k_cache, v_cache, plan, scale))
         for start, end, seq_len, slots in plan.prefill:
             if slots is None:
                 # No cached prefix: the new keys are the whole context, and the mask is plain causal.
@@ -103,14 +103,18 @@ class TorchPagedAttention:
 
     # ------------------------------------------------------------------ internals
 
-    def _decode(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-                plan: _StepPlan, scale: float) -> torch.Tensor:
+    @staticmethod
+    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _StepPlan,
+                scale: float) -> torch.Tensor:
         """q [S, Hq, D] (one query per sequence) -> [S, Hq, D]."""
         num_seqs, num_heads, head_dim = q.shape
-        num_kv_heads = k_flat.shape[1]
+        num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
-        ctx_k = k_flat[plan.decode_slots].transpose(1, 2)  # [S, Hkv, L, D]
-        ctx_v = v_flat[plan.decode_slots].transpose(1, 2)
+        # Whole blocks are gathered (one index per block, not per token); the mask hides the unused tail.
+        blocks = plan.decode_blocks.view(-1)  # [S * NB]
+        ctx_k = k_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+        ctx_v = v_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+        # ctx_k, ctx_v: [S, Hkv, NB * block_size, D]
         # NOTE: the G query heads sharing a kv head become G query rows of that head, so GQA needs no
         # copy of the keys; with a single query per sequence there is nothing causal to mask.
         grouped_q = q.view(num_seqs, num_kv_heads, group, head_dim)  # [S, Hkv, G, D]
@@ -145,7 +149,7 @@ class TorchPagedAttention:
                                            seq_lens[i], block_size)[0]
                 prefill.append((start, end, seq_lens[i], slots))
 
-        decode_rows = decode_slots = decode_mask = None
+        decode_rows = decode_blocks = decode_mask = None
         if decode_seqs:
             device = metadata.block_tables.device
             all_decode = len(decode_seqs) == len(seq_lens) and starts[-1] == len(seq_lens) \
@@ -157,9 +161,10 @@ class TorchPagedAttention:
                 tables, lens = metadata.block_tables.index_select(0, index), metadata.seq_lens.index_select(0, index)
                 decode_rows = torch.tensor([starts[i] for i in decode_seqs], device=device)
             decode_lens = [seq_lens[i] for i in decode_seqs]
-            max_len = max(decode_lens)
-            decode_slots = _context_slots(tables, lens, max_len, block_size)
-            if min(decode_lens) != max_len:
-                positions = torch.arange(max_len, device=device)
+            num_blocks = -(-max(decode_lens) // block_size)
+            decode_blocks = tables[:, :num_blocks].long()  # [S_dec, NB]
+            span = num_blocks * block_size
+            if min(decode_lens) != span:
+                positions = torch.arange(span, device=device)
                 decode_mask = (positions[None, :] < lens[:, None].long())[:, None, None, :]
-        return _StepPlan(write_slots, write_rows, decode_rows, decode_slots, decode_mask, prefill)
+        return _StepPlan(write_slots, write_rows, decode_rows, decode_blocks, decode_mask, prefill)

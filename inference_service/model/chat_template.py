@@ -104,7 +104,10 @@ def render_chat_template(
         raise InvalidRequestError("tools must be a list of objects", field="chat.tools")
     template = compile_template(source)
     # A deep copy through JSON types: the template cannot touch the caller's objects.
-    chat = json.loads(json.dumps(messages))
+    try:
+        chat = [_alias_reasoning(message) for message in json.loads(json.dumps(messages))]
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"chat messages must be JSON values: {exc}", field="chat.messages") from exc
     final_text = None
     if continue_final_message:
         if not chat:
@@ -125,6 +128,17 @@ def render_chat_template(
     if final_text is not None:
         rendered = _cut_after_final_message(rendered, final_text)
     return rendered
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(message: dict) -> dict:
+    """Expose a message's reasoning under every name templates read it by (as transformers does)."""
+    reasoning = next((message[key] for key in _REASONING_FIELDS if message.get(key) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _tag_final_message(message: dict, index: int) -> str:

@@ -22,6 +22,7 @@ from inference_service.attention.backend import AttentionBackend, get_attention_
 from inference_service.attention.metadata import AttentionMetadata
 from inference_service.errors import UnsupportedModelError
 from inference_service.model.config import ModelConfig
+from inference_service.model.linear import Linear
 from inference_service.model.rope import RotaryEmbedding
 
 
@@ -68,19 +69,15 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = self.head_dim ** -0.5
         self.backend, self.rotary = backend, rotary
-        self.qkv_proj = nn.Module()
-        self.qkv_proj.weight = _param(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype, device=device)
-        self.qkv_proj.bias = (_param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device)
-                              if spec.qkv_bias else None)
-        self.o_proj = nn.Module()
-        self.o_proj.weight = _param(config.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, config.hidden_size, False, dtype, device)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, q + 2 kv]
+        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             # q and k sit side by side in qkv: rotate both heads' worth in one pass, in place.
@@ -95,22 +92,20 @@ class Attention(nn.Module):
             self.rotary.apply_(q, cos, sin)
             self.rotary.apply_(k, cos, sin)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)  # [T, Hq, D]
-        return F.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Module()
-        self.gate_up_proj.weight = _param(2 * config.intermediate_size, config.hidden_size, dtype=dtype, device=device)
-        self.down_proj = nn.Module()
-        self.down_proj.weight = _param(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, device)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_proj.weight)  # [T, 2 I]
+        gate_up = self.gate_up_proj(x)  # [T, 2 I]
         h = F.silu(gate_up[:, :self.intermediate_size]).mul_(gate_up[:, self.intermediate_size:])  # [T, I]
-        return F.linear(h, self.down_proj.weight)
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
@@ -148,11 +143,9 @@ class DecoderModel(nn.Module):
             for _ in range(config.num_hidden_layers)
         )
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.lm_head = nn.Module()
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            self.lm_head.weight = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.eval()
 
     @torch.inference_mode()
@@ -172,7 +165,7 @@ class DecoderModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head(hidden).float()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of one layer's k_cache (and v_cache)."""
@@ -213,6 +206,14 @@ class DecoderModel(nn.Module):
                        name == "lm_head.weight" and self.config.tie_word_embeddings)]
         if missing:
             raise UnsupportedModelError(f"checkpoint lacks weights: {', '.join(missing[:8])}")
+        self._pack_linears()
+
+    def _pack_linears(self) -> None:
+        """Re-lay every projection out for the CPU matmul kernels once the weights are in."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                # The tied lm_head shares its weight with the embedding, which lookups still need.
+                module.pack(release_weight=not (module is self.lm_head and self.config.tie_word_embeddings))
 
     def _fused_rows(self) -> dict[str, tuple[str, int, int]]:
         """HF parameter suffix -> (fused parameter suffix, first row, number of rows)."""
