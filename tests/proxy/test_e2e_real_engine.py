@@ -208,6 +208,15 @@ def test_engine_queue_full_is_429(sdk, model):
     assert "429" in results and "ok" in results
 
 
+def test_smollm2_gets_the_hermes_parser(real_proxy):
+    # SmolLM2 is family "llama", but its chat template is ChatML: it writes <tool_call> blocks.
+    client = real_proxy.app.state.router.clients[0]
+    assert client.info.family == "llama" and "<|im_start|>" in client.info.chat_template
+    assert "tools" not in client.info.chat_template  # so the tools go into a system prompt
+    from rest_proxy.tool_parsers import select_parser
+    assert select_parser(client.info.family, client.info.chat_template).name == "hermes"
+
+
 def test_forced_tool_call_through_real_engine(sdk, model):
     resp = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather in Paris?"}],
                                        tools=[WEATHER], max_tokens=12, temperature=0,
