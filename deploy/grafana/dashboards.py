@@ -12,9 +12,14 @@ import json
 from pathlib import Path
 
 from grafana_foundation_sdk.builders import dashboard, prometheus, stat, timeseries
-from grafana_foundation_sdk.builders.common import VizLegendOptions
+from grafana_foundation_sdk.builders.common import ReduceDataOptions, VizLegendOptions
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models.common import LegendDisplayMode, LegendPlacement
+from grafana_foundation_sdk.models.common import (
+    BigValueColorMode,
+    BigValueGraphMode,
+    LegendDisplayMode,
+    LegendPlacement,
+)
 from grafana_foundation_sdk.models.dashboard import DashboardCursorSync, DataSourceRef, VariableRefresh
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +54,10 @@ def quantiles(histogram: str, selector: str, by: str = "") -> list[prometheus.Da
 
 
 def big_number(title: str, unit: str, expr: str) -> stat.Panel:
+    # Options set explicitly: the SDK writes unset options as null, which its own loader refuses.
     return (stat.Panel().title(title).unit(unit).datasource(DATASOURCE).height(4).span(6)
+            .graph_mode(BigValueGraphMode.AREA).color_mode(BigValueColorMode.VALUE)
+            .reduce_options(ReduceDataOptions().calcs(["lastNotNull"]))
             .with_target(query(expr, title)))
 
 

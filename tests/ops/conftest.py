@@ -36,3 +36,11 @@ def engines(tmp_path_factory) -> dict[str, EngineProcess]:
     yield started
     for engine in started.values():
         engine.stop()
+
+
+@pytest.fixture(scope="session")
+def traffic(engines, tmp_path_factory):
+    """Scrapes of engine "a" and of proxies around real traffic, with what the clients were told."""
+    from tests.ops.ops_traffic import run_traffic
+
+    return run_traffic(engines["a"], tmp_path_factory.mktemp("traffic"))
