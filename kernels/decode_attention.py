@@ -65,6 +65,7 @@ def _decode_split_kernel(
     sm_scale,  # softmax scale times the K dequant scale
     soft_cap,
     v_scale,
+    one,  # 1.0 (see FP16_DOTS below)
     window,
     stride_q_seq,
     stride_q_head,
@@ -160,9 +161,9 @@ def _decode_split_kernel(
             other=0.0,
         )
         if FP16_DOTS:
-            # NOTE: scaling V here (exact: fp32) makes the compiler widen it to fp16 before it goes
-            # through shared memory; fp8 transposed there is read byte by byte (64 LDS.U8 a tile).
-            v = v.to(tl.float32) * v_scale
+            # NOTE: a product with a run-time 1.0 keeps the compiler from moving the widening after
+            # shared memory, where fp8 V, read transposed, is fetched byte by byte (64 LDS.U8 a tile).
+            v = v.to(tl.float16) * tl.cast(one, tl.float16)
         v = v.to(q.dtype)
         acc = mma(cast(p, q.dtype), v, acc * alpha[:, None], DOT_PREC, UPCAST)
         m_i = m_new
@@ -171,8 +172,7 @@ def _decode_split_kernel(
     o = acc / l_safe[:, None]
     hd_mask = h_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
-        if not FP16_DOTS:  # (else V came scaled)
-            o = o * v_scale
+        o = o * v_scale
         tl.store(
             out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
             cast(o, out_ptr.dtype.element_ty),
@@ -335,6 +335,7 @@ def paged_decode_attention(
         float(scale) * float(k_scale),
         float(soft_cap or 1.0),
         float(v_scale),
+        1.0,
         int(sliding_window or 0),
         q.stride(0),
         q.stride(1),
@@ -371,7 +372,7 @@ def paged_decode_attention(
             part_o,
             part_lse,
             out,
-            1.0 if fp16_dots else float(v_scale),
+            float(v_scale),
             part_o.stride(0),
             part_o.stride(1),
             part_o.stride(2),

@@ -56,7 +56,7 @@ def _prefill_tiles(
     first_allowed,  # [BLOCK_M] lowest key position each row may see (sliding window)
     sm_scale,
     soft_cap,
-    v_scale,
+    one,
     stride_k_block,
     stride_k_tok,
     stride_v_block,
@@ -103,8 +103,8 @@ def _prefill_tiles(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        if FP16_DOTS:  # fp8 V: widened and scaled before shared memory (see decode_attention.py)
-            v = v.to(tl.float32) * v_scale
+        if FP16_DOTS:  # fp8 V: widened before shared memory (see decode_attention.py)
+            v = v.to(tl.float16) * tl.cast(one, tl.float16)
         v = v.to(q.dtype)
         acc = mma(cast(p, q.dtype), v, acc * alpha[:, None], DOT_PREC, UPCAST)
         m_i = m_new
@@ -123,6 +123,7 @@ def _prefill_kernel(
     sm_scale,
     soft_cap,
     v_scale,
+    one,  # 1.0 (see decode_attention.py, FP16_DOTS)
     window,
     stride_q_tok,
     stride_q_head,
@@ -188,7 +189,7 @@ def _prefill_kernel(
         lo = tl.maximum(prefix + m0 - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
         acc, l_i, m_i = _prefill_tiles(
-            acc, l_i, m_i, q, pos_m, k_base, v_base, bt_row, lo, hi, first_allowed, sm_scale, soft_cap, v_scale,
+            acc, l_i, m_i, q, pos_m, k_base, v_base, bt_row, lo, hi, first_allowed, sm_scale, soft_cap, one,
             stride_k_block, stride_k_tok, stride_v_block, stride_v_tok, offs_d, d_mask,
             BLOCK_M, BLOCK_N, PAGE_SIZE, True, USE_WINDOW, USE_SOFT_CAP, DOT_PREC, UPCAST, FP16_DOTS,
         )  # fmt: skip
@@ -196,21 +197,18 @@ def _prefill_kernel(
         # Keys < full_hi are visible to every row of the tile (full_hi <= its first position + 1).
         full_hi = ((prefix + m0 + 1) // BLOCK_N) * BLOCK_N
         acc, l_i, m_i = _prefill_tiles(
-            acc, l_i, m_i, q, pos_m, k_base, v_base, bt_row, 0, full_hi, first_allowed, sm_scale, soft_cap, v_scale,
+            acc, l_i, m_i, q, pos_m, k_base, v_base, bt_row, 0, full_hi, first_allowed, sm_scale, soft_cap, one,
             stride_k_block, stride_k_tok, stride_v_block, stride_v_tok, offs_d, d_mask,
             BLOCK_M, BLOCK_N, PAGE_SIZE, False, False, USE_SOFT_CAP, DOT_PREC, UPCAST, FP16_DOTS,
         )  # fmt: skip
         acc, l_i, m_i = _prefill_tiles(
-            acc, l_i, m_i, q, pos_m, k_base, v_base, bt_row, full_hi, hi, first_allowed, sm_scale, soft_cap, v_scale,
+            acc, l_i, m_i, q, pos_m, k_base, v_base, bt_row, full_hi, hi, first_allowed, sm_scale, soft_cap, one,
             stride_k_block, stride_k_tok, stride_v_block, stride_v_tok, offs_d, d_mask,
             BLOCK_M, BLOCK_N, PAGE_SIZE, True, False, USE_SOFT_CAP, DOT_PREC, UPCAST, FP16_DOTS,
         )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    if FP16_DOTS:  # (V came scaled)
-        o = acc / l_safe[:, None]
-    else:
-        o = acc * (v_scale / l_safe)[:, None]
+    o = acc * (v_scale / l_safe)[:, None]
     tl.store(
         out_ptr + q_rows[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
         cast(o, out_ptr.dtype.element_ty),
@@ -308,6 +306,7 @@ def paged_prefill_attention(
         float(scale) * float(k_scale),
         float(soft_cap or 1.0),
         float(v_scale),
+        1.0,
         int(sliding_window or 0),
         q.stride(0),
         q.stride(1),
