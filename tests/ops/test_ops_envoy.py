@@ -7,25 +7,58 @@ what operators run.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
+import struct
 import time
+import urllib.request
 
 import grpc
+import helm_python
 import pytest
+import yaml
 
 from inference_service.api import pb, pb_grpc
 from tests.grpc_client import GenerateStream, greedy
-from tests.ops.ops_helpers import Scrape, envoy_config_for, free_ports, load_envoy_config, start_envoy
+from tests.ops.ops_helpers import (
+    CHART,
+    Scrape,
+    build_descriptor,
+    envoy_config_for,
+    free_ports,
+    load_envoy_config,
+    start_envoy,
+)
 
 SUCCESS = "inference_engine_request_success_total"
 
 
+def chart_transcoder_filter(descriptor) -> dict:
+    """The gRPC-JSON transcoder filter exactly as the chart renders it, reading `descriptor`."""
+    values = {"envoy": {"grpcJsonTranscoder": {"enabled": True, "descriptorConfigMap": "descriptor"}}}
+    chart = helm_python.Chart.load(str(CHART))
+    try:
+        text = chart.render(values, name="llm", namespace="serving")["inference-service/templates/envoy-configmap.yaml"]
+    finally:
+        chart.close()
+    config = yaml.safe_load(yaml.safe_load(text)["data"]["envoy.yaml"])
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    transcoder = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.grpc_json_transcoder")
+    transcoder["typed_config"]["proto_descriptor"] = str(descriptor)
+    return transcoder
+
+
 @pytest.fixture(scope="module")
 def envoy(engines, tmp_path_factory):
+    """The shipped config on loopback ports, plus the chart's optional gRPC-JSON transcoder in front."""
     port, admin_port = free_ports(2)
+    workdir = tmp_path_factory.mktemp("envoy")
     config = envoy_config_for(load_envoy_config(), port, admin_port, [engines["a"].port, engines["b"].port])
-    proxy = start_envoy(config, tmp_path_factory.mktemp("envoy"))
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    router = len(hcm["http_filters"]) - 1  # after gRPC-Web, before the router, as in the chart
+    hcm["http_filters"].insert(router, chart_transcoder_filter(build_descriptor(workdir / "descriptor.pb")))
+    proxy = start_envoy(config, workdir)
     yield proxy
     proxy.stop()
 
@@ -84,6 +117,32 @@ def test_bidi_stream_through_envoy(envoy, engines):
     assert [len(stream.results[i].tokens) for i in ("one", "two")] == [3, 2]
     assert stream.results["one"].usage.completion_tokens == 3
     assert stream.results["two"].usage.completion_tokens == 2
+
+
+def post(envoy, path: str, body: bytes, content_type: str):
+    """(headers, body) of an HTTP/1.1 POST through Envoy; header names are case-insensitive."""
+    request = urllib.request.Request(f"http://{envoy.target}{path}", data=body, method="POST",
+                                     headers={"Content-Type": content_type})
+    with urllib.request.urlopen(request, timeout=10) as response:  # HTTP/1.1, as a browser or curl
+        return response.headers, response.read()
+
+
+def test_grpc_web_and_json_transcoding(envoy, engines):
+    wait_healthy(envoy, [engines["a"].port, engines["b"].port])
+    path = "/inference.v1.InferenceService/GetModelInfo"
+    message = pb.GetModelInfoRequest().SerializeToString()
+    headers, body = post(envoy, path, b"\x00" + struct.pack(">I", len(message)) + message,
+                         "application/grpc-web+proto")
+    assert headers["Content-Type"].startswith("application/grpc-web")
+    flags, length = body[0], struct.unpack(">I", body[1:5])[0]  # one data frame, then the trailers frame
+    assert flags == 0
+    info = pb.GetModelInfoResponse.FromString(body[5:5 + length])
+    assert info.model_name and info.max_context_length > 0
+    trailers = body[5 + length:]
+    assert trailers[0] == 0x80 and b"grpc-status:0" in trailers[5:].replace(b" ", b"")
+    headers, body = post(envoy, path, b"{}", "application/json")
+    assert headers["Content-Type"].startswith("application/json")
+    assert json.loads(body)["model_name"] == info.model_name
 
 
 def test_load_spreads_over_both_engines(envoy, engines):
