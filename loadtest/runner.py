@@ -72,6 +72,9 @@ async def run_load(send: Callable[[RequestSpec, RequestRecord], object], make_sp
         records.append(rec)
         try:
             await send(spec, rec)
+        except Exception as e:  # noqa: BLE001 - one bad response must not end the whole run
+            rec.fail("client_error", f"{type(e).__name__}: {e}")
+            rec.finish(time.perf_counter(), completed=False)
         finally:
             if slots is not None:
                 slots.release()
