@@ -169,6 +169,10 @@ def test_killed_engine_is_routed_around(envoy, engines):
     """After SIGKILL of one engine every new request succeeds on the other, and health checks notice."""
     a, b = engines["a"], engines["b"]
     wait_healthy(envoy, [a.port, b.port])
+    with grpc.insecure_channel(envoy.target) as channel:  # how long a request takes on this busy machine
+        started = time.monotonic()
+        one_request(pb_grpc.InferenceServiceStub(channel), "baseline")
+        baseline_s = time.monotonic() - started
     a_before = finished(a)
     b.process.send_signal(signal.SIGKILL)
     b.process.wait(10)
@@ -181,8 +185,8 @@ def test_killed_engine_is_routed_around(envoy, engines):
             usage = one_request(stub, f"after-kill-{num_requests}", timeout=10)
             assert usage.completion_tokens == 2
             num_requests += 1
-            if num_requests == 1:
-                assert time.monotonic() - killed_at < 5.0
+            if num_requests == 1:  # failing over costs at most a few seconds more than a request
+                assert time.monotonic() - killed_at < baseline_s + 3.0
     assert finished_reaches(engines, {"a": a_before + num_requests}) == {"a": a_before + num_requests}
     # The active gRPC health check (no_traffic_interval 2 s, 2 failures) marks the dead engine.
     deadline = killed_at + 8.0
