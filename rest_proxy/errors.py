@@ -73,6 +73,10 @@ def from_rpc_error(err: grpc.aio.AioRpcError | grpc.RpcError, target: str = "") 
         where = f" at {target}" if target else ""
         return ProxyError(503, f"engine{where} unavailable: {details}", type="service_unavailable",
                           code="engine_unavailable")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (details or ""):
+        # gRPC's message-size limit, not a full queue: retrying (what a 429 invites) cannot help.
+        return ProxyError(413, f"the request is larger than the engine accepts: {details}",
+                          type="invalid_request_error", code="request_too_large")
     return from_engine_error(code.value[0], details or code.name)
 
 
