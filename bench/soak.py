@@ -88,8 +88,8 @@ def num_blocks(engine_target: str) -> int:
 
 
 async def soak(args, proxy_url: str, metrics_url: str, engine_pid: int, proxy_pid: int, blocks: int) -> list[dict]:
-    workload = RandomTokenWorkload(LengthDist(args.input_len, "uniform", 0.5), LengthDist(args.max_tokens, "uniform", 0.5),
-                                   seed=args.seed)
+    workload = RandomTokenWorkload(LengthDist(args.input_len, "uniform", 0.5),
+                                   LengthDist(args.max_tokens, "uniform", 0.5), seed=args.seed)
     backend = OpenAIBackend(proxy_url, timeout=120)
     await backend.open()
     windows = []

@@ -100,7 +100,8 @@ def post(small_proxy):
 
 HTTP_CASES = {
     "not-json": {"content": b"{not json", "headers": {"content-type": "application/json"}},
-    "invalid-utf8": {"content": b'{"prompt": "\xff\xfe", "model": "m"}', "headers": {"content-type": "application/json"}},
+    "invalid-utf8": {"content": b'{"prompt": "\xff\xfe", "model": "m"}',
+                     "headers": {"content-type": "application/json"}},
     "json-array": {"content": b"[1, 2, 3]", "headers": {"content-type": "application/json"}},
     "deep-nesting": {"content": b'{"prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
                      "headers": {"content-type": "application/json"}},
@@ -125,3 +126,5 @@ def test_proxy_answers_4xx_to_malformed_requests(post, name):
     response = post(case.pop("path", "/v1/completions"), **case)
     assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
     assert response.json()["error"]["type"]
+    if name == "huge-text-prompt":  # 2 MB over the engine's 1 MiB message limit: too large, not "retry later"
+        assert response.status_code == 413, response.text[:300]
