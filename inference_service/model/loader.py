@@ -6,6 +6,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -137,7 +138,8 @@ def _open_gguf(path: str, dtype: torch.dtype):
 
     checkpoint = GGUFCheckpoint(path)
     tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata)
-    name = os.path.basename(path)[: -len(".gguf")]
+    # "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct": clients name the model, not its quantization.
+    name = re.sub(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", "", os.path.basename(path)[: -len(".gguf")], flags=re.IGNORECASE)
     return checkpoint.config, checkpoint.weights(dtype), tokenizer, name
 
 
