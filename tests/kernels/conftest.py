@@ -12,6 +12,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    # A module collected earlier may have imported `kernels` compiled-mode: import it afresh.
+    for name in [m for m in sys.modules if m == "kernels" or m.startswith("kernels.")]:
+        del sys.modules[name]
 
 try:
     import kernels  # noqa: F401
