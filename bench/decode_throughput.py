@@ -44,8 +44,19 @@ def copy_bandwidth_gbs(num_bytes: int = 512 * 2**20, repeats: int = 10) -> float
 
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
-    """Bytes of weights a decode step reads: every parameter once (the tied embedding as lm_head)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of weights one decode step must read: every projection (the tied embedding counted once,
+    as lm_head) and every norm. Counted from shapes: CPU linears keep their weights packed for oneDNN."""
+    from inference_service.model.linear import Linear
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            elem = torch.empty((), dtype=model.dtype).element_size()
+            total += module.in_features * module.out_features * elem
+            total += module.bias.numel() * elem if module.bias is not None else 0
+        elif hasattr(module, "eps") and hasattr(module, "weight"):  # RMSNorm
+            total += module.weight.numel() * module.weight.element_size()
+    return total
 
 
 def stream_decode_rate(target: str, num_requests: int, new_tokens: int) -> tuple[float, float]:
