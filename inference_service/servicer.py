@@ -98,17 +98,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             finally:
                 out.put_nowait(_WAKE)
 
-        reader = asyncio.create_task(read_requests())
-        try:
-            while not (reader.done() and not active and out.empty()):
-                item = await out.get()
-                if item is not _WAKE:
-                    yield item
-            await reader  # surfaces a failure of the request stream itself
-        finally:
-            reader.cancel()
-            for task in list(active.values()):
-                task.cancel()
+        async for item in _merge_responses(out, active, read_requests()):
+            yield item
 
     async def Tokenize(self, request_iterator, context) -> AsyncIterator[pb.TokenizeResponse]:
         async for msg in request_iterator:
@@ -172,17 +163,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             finally:
                 out.put_nowait(_WAKE)
 
-        reader = asyncio.create_task(read_requests())
-        try:
-            while not (reader.done() and not active and out.empty()):
-                item = await out.get()
-                if item is not _WAKE:
-                    yield item
-            await reader  # surfaces a failure of the request stream itself
-        finally:
-            reader.cancel()
-            for task in list(active.values()):
-                task.cancel()
+        async for item in _merge_responses(out, active, read_requests()):
+            yield item
 
     async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
         llm, tok, embedder = self.llm, self.tokenizer, self.embedder
@@ -221,3 +203,20 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         ))
         return response
 
+
+async def _merge_responses(out: asyncio.Queue, active: dict[str, asyncio.Task], reader) -> AsyncIterator:
+    """Yields what the request tasks put on `out` until the client stopped sending and every request ended.
+
+    Leaving early (client gone, deadline) cancels the reader and every request task, which aborts
+    their engine requests."""
+    reader_task = asyncio.create_task(reader)
+    try:
+        while not (reader_task.done() and not active and out.empty()):
+            item = await out.get()
+            if item is not _WAKE:
+                yield item
+        await reader_task  # surfaces a failure of the request stream itself
+    finally:
+        reader_task.cancel()
+        for task in list(active.values()):
+            task.cancel()
