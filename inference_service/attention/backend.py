@@ -39,9 +39,20 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-def get_attention_backend(device: torch.device | str) -> AttentionBackend:
-    """The default backend for a device. CPU gets the plain torch implementation."""
-    # NOTE: the GPU (Triton) backend registers here once it exists; until then every device uses torch.
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def get_attention_backend(device: torch.device | str, name: str = "auto") -> AttentionBackend:
+    """The backend for a device: "auto" is Triton on CUDA and plain torch elsewhere; "torch" and
+    "triton" force one ("triton" off CUDA needs TRITON_INTERPRET=1, for tests)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "auto":
+        name = "triton" if torch.device(device).type == "cuda" else "torch"
+    if name == "triton":
+        from inference_service.attention.triton_backend import TritonPagedAttention
+
+        return TritonPagedAttention()
     from inference_service.attention.torch_paged import TorchPagedAttention
 
     return TorchPagedAttention()
