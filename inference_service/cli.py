@@ -24,6 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--served-model-name", default=None, help="name clients use; default: derived from the model")
     m.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     m.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
+    m.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights for the architecture in --model's config.json (benchmarks)")
+    m.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: Triton kernels on CUDA, plain torch elsewhere")
     m.add_argument("--max-model-len", type=int, default=None, help="context length; default: the model's")
     m.add_argument("--yarn-scaling-factor", type=float, default=None,
                    help="turn on YaRN rope scaling with this factor (extends the context by that much)")
@@ -67,6 +71,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         yarn_scaling_factor=args.yarn_scaling_factor,
         seed=args.seed,
         embedding_pooling=args.embedding_pooling,
+        load_format=args.load_format,
+        attention_backend=args.attention_backend,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_mib=args.kv_cache_memory_mib,

@@ -59,6 +59,8 @@ class EngineConfig:
     # Pooling of embeddings ("mean", "cls", "last", "max"); None = the model's sentence-transformers
     # configuration, else last-token for decoders.
     embedding_pooling: str | None = None
+    load_format: str = "auto"  # "auto" (read the checkpoint) or "dummy" (random weights for a config.json)
+    attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -73,6 +75,12 @@ class EngineConfig:
             raise ValueError(f"--yarn-scaling-factor must be > 1, got {self.yarn_scaling_factor}")
         if self.embedding_pooling not in (None, "mean", "cls", "last", "max"):
             raise ValueError(f"--embedding-pooling must be mean, cls, last or max, got {self.embedding_pooling!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"--load-format must be auto or dummy, got {self.load_format!r}")
+        if self.load_format == "dummy" and not self.model:
+            raise ValueError("--load-format dummy needs --model naming a folder with a config.json")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"--attention-backend must be auto, torch or triton, got {self.attention_backend!r}")
 
 
 @dataclass(slots=True)

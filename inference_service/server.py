@@ -111,7 +111,9 @@ class EngineServer:
             device = resolve_device(engine_config.device)
             dtype = resolve_dtype(engine_config.dtype, device)
             loaded = load_model(engine_config.model, device=device, dtype=dtype,
-                                yarn_scaling_factor=engine_config.yarn_scaling_factor)
+                                yarn_scaling_factor=engine_config.yarn_scaling_factor,
+                                load_format=engine_config.load_format,
+                                attention_backend=engine_config.attention_backend, seed=engine_config.seed)
             # An encoder (BERT) only embeds: no KV cache, no generation engine.
             llm = None if loaded.is_encoder else LLMEngine(engine_config, loaded=loaded)
         else:

@@ -55,7 +55,8 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.loaded = loaded or load_model(
-            config.model, device=self.device, dtype=self.dtype, yarn_scaling_factor=config.yarn_scaling_factor
+            config.model, device=self.device, dtype=self.dtype, yarn_scaling_factor=config.yarn_scaling_factor,
+            load_format=config.load_format, attention_backend=config.attention_backend, seed=config.seed,
         )
         self.tokenizer = self.loaded.tokenizer
         model_len = self.loaded.config.max_position_embeddings

