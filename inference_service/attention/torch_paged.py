@@ -27,6 +27,9 @@ class _StepPlan:
     decode_rows: torch.Tensor | None  # [S_dec] int64 query rows of decode sequences; None = every row
     decode_blocks: torch.Tensor | None  # [S_dec, NB] int64 blocks holding each decode context (padding -> 0)
     decode_mask: torch.Tensor | None  # [S_dec, 1, 1, NB * block_size] bool, True = attend; None = all valid
+    # (first slot, seq_len) when the only decode sequence's context lies in consecutive blocks: it is
+    # attended in place, a view of the cache, with no gather and no mask.
+    decode_span: tuple[int, int] | None
     prefill: list[tuple[int, int, int, torch.Tensor | None]]  # (row start, row end, seq_len, slots [L] or None)
 
 
@@ -110,6 +113,14 @@ class TorchPagedAttention:
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
+        grouped_q = q.view(num_seqs, num_kv_heads, group, head_dim)  # [S, Hkv, G, D]
+        if plan.decode_span is not None:
+            first, length = plan.decode_span
+            ctx_k = k_cache.view(-1, num_kv_heads, head_dim)[first:first + length].unsqueeze(0).transpose(1, 2)
+            ctx_v = v_cache.view(-1, num_kv_heads, head_dim)[first:first + length].unsqueeze(0).transpose(1, 2)
+            # ctx_k, ctx_v: [1, Hkv, L, D] views of the cache
+            attn = F.scaled_dot_product_attention(grouped_q, ctx_k, ctx_v, scale=scale)
+            return attn.reshape(num_seqs, num_heads, head_dim)
         # Whole blocks are gathered (one index per block, not per token); the mask hides the unused tail.
         blocks = plan.decode_blocks.view(-1)  # [S * NB]
         ctx_k = k_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
@@ -117,7 +128,6 @@ class TorchPagedAttention:
         # ctx_k, ctx_v: [S, Hkv, NB * block_size, D]
         # NOTE: the G query heads sharing a kv head become G query rows of that head, so GQA needs no
         # copy of the keys; with a single query per sequence there is nothing causal to mask.
-        grouped_q = q.view(num_seqs, num_kv_heads, group, head_dim)  # [S, Hkv, G, D]
         attn = F.scaled_dot_product_attention(grouped_q, ctx_k, ctx_v, attn_mask=plan.decode_mask, scale=scale)
         return attn.reshape(num_seqs, num_heads, head_dim)
 
@@ -149,7 +159,7 @@ class TorchPagedAttention:
                                            seq_lens[i], block_size)[0]
                 prefill.append((start, end, seq_lens[i], slots))
 
-        decode_rows = decode_blocks = decode_mask = None
+        decode_rows = decode_blocks = decode_mask = decode_span = None
         if decode_seqs:
             device = metadata.block_tables.device
             all_decode = len(decode_seqs) == len(seq_lens) and starts[-1] == len(seq_lens) \
@@ -164,7 +174,13 @@ class TorchPagedAttention:
             num_blocks = -(-max(decode_lens) // block_size)
             decode_blocks = tables[:, :num_blocks].long()  # [S_dec, NB]
             span = num_blocks * block_size
-            if min(decode_lens) != span:
+            if len(decode_seqs) == 1 and device.type == "cpu":
+                # NOTE: batch-1 decode is the latency case; a fresh sequence's blocks are usually
+                # consecutive, and attending a view skips two gathers and the mask in every layer.
+                blocks = decode_blocks[0].tolist()
+                if blocks == list(range(blocks[0], blocks[0] + num_blocks)):
+                    decode_span = (blocks[0] * block_size, decode_lens[0])
+            if decode_span is None and min(decode_lens) != span:
                 positions = torch.arange(span, device=device)
                 decode_mask = (positions[None, :] < lens[:, None].long())[:, None, None, :]
-        return _StepPlan(write_slots, write_rows, decode_rows, decode_blocks, decode_mask, prefill)
+        return _StepPlan(write_slots, write_rows, decode_rows, decode_blocks, decode_mask, decode_span, prefill)
