@@ -55,6 +55,14 @@ def test_dummy_weights_seeded_and_shaped(tmp_path, model_type):
     assert torch.equal(logits[0], logits[1])
 
 
+def test_dummy_weights_drawn_once_then_cast(tmp_path):
+    """Values are drawn in fp32 on the CPU whatever the target, so dtypes (and devices) agree."""
+    path = write_config(tmp_path / "llama", "llama")
+    fp32 = load_model(path, load_format="dummy", seed=5, dtype=torch.float32).model.model.embed_tokens.weight
+    bf16 = load_model(path, load_format="dummy", seed=5, dtype=torch.bfloat16).model.model.embed_tokens.weight
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, fp32.to(torch.bfloat16))
+
+
 def test_dummy_needs_a_config(tmp_path):
     with pytest.raises(UnsupportedModelError, match="config.json"):
         load_model(str(tmp_path), load_format="dummy")
