@@ -36,7 +36,8 @@ from kernels._common import (
     require_same_device,
     require_shape,
 )
-from kernels.decode_attention import _tanh, attention_ref, gather_context_ref
+from kernels.attention_ref import attention_ref, gather_context_ref
+from kernels.decode_attention import _tanh
 
 _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
