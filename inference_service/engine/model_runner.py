@@ -122,10 +122,11 @@ class ModelRunner:
         last_token_rows = torch.tensor([metadata.query_start_loc_cpu[i + 1] - 1 for i in rows], device=self.device)
         logits = self.model.compute_logits(hidden[last_token_rows])  # [num_sampling, vocab]
         seqs = [scheduled[i].seq for i in rows]
+        histories = [_token_history(seq) for seq in seqs]
         batch = SamplingBatch.build(
             params=[seq.params for seq in seqs],
-            prompt_token_ids=[seq.prompt_token_ids for seq in seqs],
-            output_token_ids=[seq.output_token_ids for seq in seqs],
+            prompt_token_ids=[h[0] for h in histories],
+            output_token_ids=[h[1] for h in histories],
             generators=[seq.generator for seq in seqs],
             device=self.device,
             eos_token_ids=[seq.eos_token_ids for seq in seqs],
@@ -135,3 +136,16 @@ class ModelRunner:
             seq.seq_id: SampledToken(out.token_ids[j], out.logprobs[j], out.top_logprobs[j])
             for j, seq in enumerate(seqs)
         }
+
+
+def _token_history(seq) -> tuple[list[int], list[int]]:
+    """(prompt, output) token ids as far as the sequence's sampling reads them.
+
+    NOTE: slicing a long prompt every step for every row is the hot path's largest Python cost, and
+    only penalties and min_tokens look at the history; other rows get empty lists."""
+    p = seq.params
+    if p.repetition_penalty != 1.0:
+        return seq.prompt_token_ids, seq.output_token_ids
+    if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.min_tokens > 0:
+        return [], seq.output_token_ids
+    return [], []
