@@ -7,12 +7,16 @@ grouped-query attention with rotate-half RoPE, a SiLU-gated MLP — is shared.
 Parameters keep Hugging Face's names, except that q/k/v and gate/up are fused at load time into
 `qkv_proj` and `gate_up_proj` (one matmul each on the decode path); `load_weights` maps HF names onto
 the fused rows.
+
+The layers here are the eager path, tuned for the CPU. On a GPU the model runs the same parameters
+through the fused Triton kernels instead (`fused_layers.py`, chosen by `DecoderModel(fused_kernels=)`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +28,9 @@ from inference_service.errors import UnsupportedModelError
 from inference_service.model.config import ModelConfig
 from inference_service.model.linear import Linear
 from inference_service.model.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from inference_service.model.fused_layers import TritonRotary
 
 
 @dataclass(frozen=True)
@@ -61,7 +68,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, spec: FamilySpec, backend: AttentionBackend,
-                 rotary: RotaryEmbedding, dtype: torch.dtype, device: torch.device | str):
+                 rotary: RotaryEmbedding | TritonRotary, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -109,13 +116,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    norm_cls, attention_cls, mlp_cls = RMSNorm, Attention, MLP  # swapped by the fused layer
+
     def __init__(self, config: ModelConfig, spec: FamilySpec, backend: AttentionBackend,
-                 rotary: RotaryEmbedding, dtype: torch.dtype, device: torch.device | str):
+                 rotary: RotaryEmbedding | TritonRotary, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(config, spec, backend, rotary, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = MLP(config, dtype, device)
+        self.input_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = self.attention_cls(config, spec, backend, rotary, dtype, device)
+        self.post_attention_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = self.mlp_cls(config, dtype, device)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
@@ -126,23 +135,35 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """The model the engine runs: `forward` to hidden states, `compute_logits` for the rows it samples."""
+    """The model the engine runs: `forward` to hidden states, `compute_logits` for the rows it samples.
+
+    `fused_kernels` picks the fused Triton layers (`fused_layers.py`) over the eager ones; None means
+    on for CUDA devices. Both paths take the same weights and give the same results (fp32: to rounding)."""
 
     def __init__(self, config: ModelConfig, *, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, attention_backend: AttentionBackend | None = None):
+                 dtype: torch.dtype = torch.float32, attention_backend: AttentionBackend | None = None,
+                 fused_kernels: bool | None = None):
         super().__init__()
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.spec = FamilySpec.from_config(config)
         self.attention_backend = attention_backend or get_attention_backend(device)
-        self.rotary = RotaryEmbedding(config, device=device, dtype=dtype)
+        self.fused_kernels = self.device.type == "cuda" if fused_kernels is None else fused_kernels
+        if self.fused_kernels:
+            from inference_service.model import fused_layers  # noqa: PLC0415 - Triton only on this path
+
+            layer_cls, norm_cls = fused_layers.FusedDecoderLayer, fused_layers.FusedRMSNorm
+            self.rotary = fused_layers.TritonRotary(config, device)
+        else:
+            layer_cls, norm_cls = DecoderLayer, RMSNorm
+            self.rotary = RotaryEmbedding(config, device=device, dtype=dtype)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Module()
         self.model.embed_tokens.weight = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.model.layers = nn.ModuleList(
-            DecoderLayer(config, self.spec, self.attention_backend, self.rotary, dtype, device)
+            layer_cls(config, self.spec, self.attention_backend, self.rotary, dtype, device)
             for _ in range(config.num_hidden_layers)
         )
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.model.norm = norm_cls(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -157,6 +178,11 @@ class DecoderModel(nn.Module):
         in the model dtype; this step's keys and values are written into them at
         `attn_metadata.slot_mapping`."""
         hidden = self.model.embed_tokens.weight.index_select(0, input_ids)  # [T, H], a fresh residual buffer
+        if self.fused_kernels:
+            residual = None
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                hidden, residual = layer(hidden, residual, positions, kv_cache, attn_metadata)
+            return self.model.norm(hidden, residual)[0]
         cos, sin = self.rotary.lookup(positions)  # [T, 1, D] each, shared by every layer
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
