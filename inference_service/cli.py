@@ -28,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dummy: random weights for the architecture in --model's config.json (benchmarks)")
     m.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton kernels on CUDA, plain torch elsewhere")
+    m.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs on a GPU: run every decode step eagerly (slower; for debugging)")
+    m.add_argument("--max-cuda-graph-batch-size", type=int, default=256,
+                   help="largest decode batch captured as a CUDA graph (up to --max-num-seqs); larger run eagerly")
     m.add_argument("--max-model-len", type=int, default=None, help="context length; default: the model's")
     m.add_argument("--yarn-scaling-factor", type=float, default=None,
                    help="turn on YaRN rope scaling with this factor (extends the context by that much)")
@@ -39,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--kv-cache-memory", type=int, default=None, dest="kv_cache_memory_mib",
                    help="KV-cache size in MiB; default 1024 on CPU, --gpu-memory-fraction on a GPU")
     c.add_argument("--gpu-memory-fraction", type=float, default=0.9,
-                   help="fraction of free GPU memory after loading the model given to the KV cache")
+                   help="fraction of the GPU memory free after loading the model given to the KV cache, less "
+                        "the profiled activation peaks of the largest prefill step and CUDA graph")
+    c.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="auto: the model dtype; fp8: e4m3 (half the memory and bytes read; Triton backend only)")
     c.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
                    help="do not share KV blocks between requests with identical prompt prefixes")
     s = p.add_argument_group("scheduler")
@@ -73,11 +80,14 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         embedding_pooling=args.embedding_pooling,
         load_format=args.load_format,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        max_cuda_graph_batch_size=args.max_cuda_graph_batch_size,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_mib=args.kv_cache_memory_mib,
             gpu_memory_fraction=args.gpu_memory_fraction,
             enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

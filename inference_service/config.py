@@ -15,8 +15,12 @@ class CacheConfig:
     # Fraction of the device's free memory, after the model is loaded, given to the KV cache.
     gpu_memory_fraction: float = 0.9
     enable_prefix_caching: bool = True
+    # "auto" = the model dtype; "fp8" = e4m3 with unit scales (Triton backend only): half the bytes.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"--block-size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.kv_cache_memory_mib is not None and self.kv_cache_memory_mib <= 0:
@@ -61,6 +65,8 @@ class EngineConfig:
     embedding_pooling: str | None = None
     load_format: str = "auto"  # "auto" (read the checkpoint) or "dummy" (random weights for a config.json)
     attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton"
+    enforce_eager: bool = False  # no CUDA graphs: every step launches its kernels one by one
+    max_cuda_graph_batch_size: int = 256  # decode steps of more sequences run eagerly
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -79,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"--load-format must be auto or dummy, got {self.load_format!r}")
         if self.load_format == "dummy" and not self.model:
             raise ValueError("--load-format dummy needs --model naming a folder with a config.json")
+        if self.max_cuda_graph_batch_size < 1:
+            raise ValueError(f"--max-cuda-graph-batch-size must be >= 1, got {self.max_cuda_graph_batch_size}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"--attention-backend must be auto, torch or triton, got {self.attention_backend!r}")
 

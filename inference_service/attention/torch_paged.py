@@ -1,8 +1,9 @@
 """Paged attention in plain torch: the CPU backend, and the reference the GPU kernels are tested against.
 
-Decode sequences (one query each) are attended in one batched SDPA call: each sequence's blocks are
-gathered whole into a padded [S, Hkv, NB * block_size, D] tensor and a key mask hides the padding.
-Sequences with several queries (prefill chunks) are attended one at a time.
+Decode sequences (one query each) are attended together: each context's keys and values are gathered
+head-major into [S * Hkv, L, D] (L the longest context; shorter ones padded, an additive mask hides the
+padding), and two batched matmuls around a softmax attend every (sequence, kv head) at once, its G query
+heads as G query rows. Sequences with several queries (prefill chunks) are attended one at a time.
 
 Index tensors derived from the metadata (which slots to write, where each decode context lives) are
 built once per model step and reused by every layer.
@@ -25,8 +26,10 @@ class _StepPlan:
     write_slots: torch.Tensor  # [W] int64 cache slots of the rows written
     write_rows: torch.Tensor | None  # [W] int64 rows of k/v to write; None = all rows, in order
     decode_rows: torch.Tensor | None  # [S_dec] int64 query rows of decode sequences; None = every row
-    decode_blocks: torch.Tensor | None  # [S_dec, NB] int64 blocks holding each decode context (padding -> 0)
-    decode_mask: torch.Tensor | None  # [S_dec, 1, 1, NB * block_size] bool, True = attend; None = all valid
+    # Rows of the cache viewed as [num_slots * Hkv, D] holding each decode context, head-major:
+    # [S_dec * Hkv * L] int64, entry (s, h, t) = slot of token t of sequence s, times Hkv, plus h.
+    decode_gather: torch.Tensor | None
+    decode_mask: torch.Tensor | None  # [S_dec * Hkv, 1, L] additive: 0 = attend, -inf = padding
     # (first slot, seq_len) when the only decode sequence's context lies in consecutive blocks: it is
     # attended in place, a view of the cache, with no gather and no mask.
     decode_span: tuple[int, int] | None
@@ -50,7 +53,7 @@ class TorchPagedAttention:
 
     def __init__(self) -> None:
         self._plan_metadata: AttentionMetadata | None = None
-        self._plan_block_size = 0
+        self._plan_key: tuple | None = None  # (k_cache.shape[1:], dtype) the plan was built for
         self._plan: _StepPlan | None = None
 
     def forward(
@@ -63,7 +66,7 @@ class TorchPagedAttention:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        plan = self._get_plan(metadata, k_cache.shape[1])
+        plan = self._get_plan(metadata, k_cache)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
@@ -79,7 +82,7 @@ class TorchPagedAttention:
             return self._decode(q, k_cache, v_cache, plan, scale)
 
         out = torch.empty_like(q)  # [T, Hq, D]
-        if plan.decode_blocks is not None:
+        if plan.decode_rows is not None:
             out.index_copy_(0, plan.decode_rows, self._decode(q.index_select(0, plan.decode_rows),
                                                                 k_cache, v_cache, plan, scale))
         for start, end, seq_len, slots in plan.prefill:
@@ -113,32 +116,35 @@ class TorchPagedAttention:
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
-        grouped_q = q.view(num_seqs, num_kv_heads, group, head_dim)  # [S, Hkv, G, D]
         if plan.decode_span is not None:
             first, length = plan.decode_span
+            grouped_q = q.view(num_seqs, num_kv_heads, group, head_dim)  # [1, Hkv, G, D]
             ctx_k = k_cache.view(-1, num_kv_heads, head_dim)[first:first + length].unsqueeze(0).transpose(1, 2)
             ctx_v = v_cache.view(-1, num_kv_heads, head_dim)[first:first + length].unsqueeze(0).transpose(1, 2)
             # ctx_k, ctx_v: [1, Hkv, L, D] views of the cache
             attn = F.scaled_dot_product_attention(grouped_q, ctx_k, ctx_v, scale=scale)
             return attn.reshape(num_seqs, num_heads, head_dim)
-        # Whole blocks are gathered (one index per block, not per token); the mask hides the unused tail.
-        blocks = plan.decode_blocks.view(-1)  # [S * NB]
-        ctx_k = k_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-        ctx_v = v_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-        # ctx_k, ctx_v: [S, Hkv, NB * block_size, D]
         # NOTE: the G query heads sharing a kv head become G query rows of that head, so GQA needs no
-        # copy of the keys; with a single query per sequence there is nothing causal to mask.
-        attn = F.scaled_dot_product_attention(grouped_q, ctx_k, ctx_v, attn_mask=plan.decode_mask, scale=scale)
-        return attn.reshape(num_seqs, num_heads, head_dim)
+        # copy of the keys; with a single query per sequence there is nothing causal to mask. One
+        # batched matmul over (sequence, kv head) pairs costs far less than SDPA's per-pair kernel here.
+        batch = num_seqs * num_kv_heads
+        ctx_k = k_cache.view(-1, head_dim).index_select(0, plan.decode_gather).view(batch, -1, head_dim)
+        ctx_v = v_cache.view(-1, head_dim).index_select(0, plan.decode_gather).view(batch, -1, head_dim)
+        # ctx_k, ctx_v: [S * Hkv, L, D]
+        grouped_q = q.reshape(batch, group, head_dim)  # [S * Hkv, G, D]
+        scores = torch.baddbmm(plan.decode_mask, grouped_q, ctx_k.transpose(1, 2), alpha=scale)  # [S * Hkv, G, L]
+        return torch.bmm(scores.softmax(-1), ctx_v).view(num_seqs, num_heads, head_dim)
 
-    def _get_plan(self, metadata: AttentionMetadata, block_size: int) -> _StepPlan:
-        if metadata is not self._plan_metadata or block_size != self._plan_block_size:
-            self._plan = self._build_plan(metadata, block_size)
-            self._plan_metadata, self._plan_block_size = metadata, block_size
+    def _get_plan(self, metadata: AttentionMetadata, k_cache: torch.Tensor) -> _StepPlan:
+        key = (k_cache.shape[1:], k_cache.dtype)
+        if metadata is not self._plan_metadata or key != self._plan_key:
+            self._plan = self._build_plan(metadata, k_cache.shape[1], k_cache.shape[2], k_cache.dtype)
+            self._plan_metadata, self._plan_key = metadata, key
         return self._plan
 
     @staticmethod
-    def _build_plan(metadata: AttentionMetadata, block_size: int) -> _StepPlan:
+    def _build_plan(metadata: AttentionMetadata, block_size: int, num_kv_heads: int, dtype: torch.dtype
+                    ) -> _StepPlan:
         slot_mapping = metadata.slot_mapping.long()
         valid = slot_mapping >= 0
         if bool(valid.all()):
@@ -159,7 +165,7 @@ class TorchPagedAttention:
                                            seq_lens[i], block_size)[0]
                 prefill.append((start, end, seq_lens[i], slots))
 
-        decode_rows = decode_blocks = decode_mask = decode_span = None
+        decode_rows = decode_gather = decode_mask = decode_span = None
         if decode_seqs:
             device = metadata.block_tables.device
             all_decode = len(decode_seqs) == len(seq_lens) and starts[-1] == len(seq_lens) \
@@ -171,16 +177,19 @@ class TorchPagedAttention:
                 tables, lens = metadata.block_tables.index_select(0, index), metadata.seq_lens.index_select(0, index)
                 decode_rows = torch.tensor([starts[i] for i in decode_seqs], device=device)
             decode_lens = [seq_lens[i] for i in decode_seqs]
-            num_blocks = -(-max(decode_lens) // block_size)
-            decode_blocks = tables[:, :num_blocks].long()  # [S_dec, NB]
-            span = num_blocks * block_size
+            max_len = max(decode_lens)
             if len(decode_seqs) == 1 and device.type == "cpu":
                 # NOTE: batch-1 decode is the latency case; a fresh sequence's blocks are usually
                 # consecutive, and attending a view skips two gathers and the mask in every layer.
-                blocks = decode_blocks[0].tolist()
+                num_blocks = -(-max_len // block_size)
+                blocks = tables[0, :num_blocks].tolist()
                 if blocks == list(range(blocks[0], blocks[0] + num_blocks)):
-                    decode_span = (blocks[0] * block_size, decode_lens[0])
-            if decode_span is None and min(decode_lens) != span:
-                positions = torch.arange(span, device=device)
-                decode_mask = (positions[None, :] < lens[:, None].long())[:, None, None, :]
-        return _StepPlan(write_slots, write_rows, decode_rows, decode_blocks, decode_mask, decode_span, prefill)
+                    decode_span = (blocks[0] * block_size, max_len)
+            if decode_span is None:
+                slots = _context_slots(tables, lens, max_len, block_size)  # [S_dec, L], padding -> slot 0
+                heads = torch.arange(num_kv_heads, device=device)
+                decode_gather = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).view(-1)
+                padding = torch.arange(max_len, device=device)[None, :] >= lens[:, None].long()  # [S_dec, L]
+                mask = torch.zeros(padding.shape, dtype=dtype, device=device).masked_fill_(padding, float("-inf"))
+                decode_mask = mask[:, None, None, :].expand(-1, num_kv_heads, 1, -1).reshape(-1, 1, max_len)
+        return _StepPlan(write_slots, write_rows, decode_rows, decode_gather, decode_mask, decode_span, prefill)

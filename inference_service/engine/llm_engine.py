@@ -61,7 +61,7 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         model_len = self.loaded.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
-        self.model_runner = ModelRunner(self.loaded, config.cache, self.device, self.dtype)
+        self.model_runner = ModelRunner(self.loaded, config, self.device, self.dtype, self.max_model_len)
         self.block_manager = BlockManager(
             self.model_runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -72,7 +72,7 @@ class LLMEngine:
         self.requests: dict[str, _RequestState] = {}
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         # A sequence may not outgrow the whole cache, or preempting it could never make room.
-        self.max_seq_tokens = min(self.max_model_len, self.model_runner.num_blocks * config.cache.block_size)
+        self.max_seq_tokens = self.model_runner.max_seq_tokens
 
     @property
     def has_unfinished(self) -> bool:

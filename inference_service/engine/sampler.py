@@ -21,6 +21,23 @@ from inference_service.engine.sampling_params import SamplingParams
 
 # Exponential noise of exactly 0 would divide by zero; any tiny positive floor is unbiased enough.
 _MIN_NOISE = 1e-20
+_ARGMAX_CHUNK = 256
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of a contiguous [N, V] tensor: [N] int64, the first maximum of each row.
+
+    NOTE: on the CPU argmax runs an order of magnitude slower than a max reduction (~0.4 ms for 16
+    rows of a 49k vocabulary). The max of every 256-wide chunk, then argmax over those maxima and
+    within the winning chunk, takes a fifth of that and picks the same index: the first chunk
+    holding the maximum holds its first occurrence (NaN counts as the maximum in both)."""
+    num_rows, vocab = x.shape
+    if x.device.type != "cpu" or vocab % _ARGMAX_CHUNK or not x.is_contiguous():
+        return x.argmax(dim=-1)
+    chunks = x.view(num_rows, vocab // _ARGMAX_CHUNK, _ARGMAX_CHUNK)  # [N, V / C, C]
+    best_chunk = chunks.amax(dim=-1).argmax(dim=-1)  # [N]
+    within = chunks[torch.arange(num_rows), best_chunk].argmax(dim=-1)  # [N]
+    return best_chunk * _ARGMAX_CHUNK + within
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -269,7 +286,7 @@ class Sampler:
         if batch.needs_processing:
             logits = apply_penalties_and_masks(logits.clone(), batch)
 
-        token_ids = logits.argmax(dim=-1)  # [N]
+        token_ids = argmax_rows(logits)  # [N]
         if not batch.all_greedy:
             sampled = self._sample(logits, batch)  # [S]
             rows = torch.tensor(batch.sampled_rows, dtype=torch.long, device=logits.device)
@@ -305,7 +322,7 @@ class Sampler:
                 idx = torch.tensor(unseeded, dtype=torch.long, device=logits.device)
                 uniform[idx] = torch.rand(len(unseeded), probs.shape[1], device=probs.device)
         noise = torch.log1p(uniform.neg_()).neg_().clamp_min_(_MIN_NOISE)  # [S, V] ~ Exp(1)
-        return (probs / noise).argmax(dim=-1)
+        return argmax_rows(probs / noise)
 
     @staticmethod
     def _logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch,

@@ -14,6 +14,7 @@ from inference_service.engine.sampler import (
     SamplingBatch,
     apply_penalties_and_masks,
     apply_top_k_top_p_min_p,
+    argmax_rows,
     make_generator,
 )
 from inference_service.engine.sampling_params import SamplingParams
@@ -152,6 +153,23 @@ def test_all_greedy_fast_path():
     out = Sampler()(logits, batch)
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.logprobs == [None] * n and out.top_logprobs == [None] * n
+
+
+@pytest.mark.parametrize("vocab", [256, 49152, 1000])
+def test_argmax_rows_picks_the_first_maximum(vocab):
+    n = 9
+    x = torch.randn(n, vocab)
+    x[1] = 0.5  # a row of ties: index 0
+    x[2, [vocab - 1, 3, vocab // 2]] = 100.0  # three equal maxima in different chunks: the first
+    x[3, [7, 300 % vocab]] = float("inf")
+    x[4] = NEG_INF
+    x[5, [vocab - 3, 10]] = float("nan")  # NaN is the maximum, its first occurrence wins
+    x[6] = torch.arange(vocab, dtype=torch.float32)  # maximum in the very last slot
+    def first_max(row: list[float]) -> int:
+        return max(range(vocab), key=lambda t: (math.isnan(row[t]), 0.0 if math.isnan(row[t]) else row[t], -t))
+
+    expected = [first_max(row) for row in x.tolist()]
+    assert argmax_rows(x).tolist() == expected == x.argmax(-1).tolist()
 
 
 # ---------------------------------------------------------------- top-k / top-p / min-p

@@ -129,3 +129,29 @@ def test_get_attention_backend_by_device_and_name():
     assert isinstance(get_attention_backend("cpu", "triton"), TritonPagedAttention)
     with pytest.raises(ValueError, match="attention backend"):
         get_attention_backend("cpu", "flash")
+
+
+def test_padded_decode_rows_touch_nothing():
+    """A decode step padded to a CUDA-graph batch size (padding rows: slot -1, seq_len 0) gives the real
+    rows bit-identical outputs, writes no cache slot for the padding and returns zeros for it."""
+    gen = torch.Generator().manual_seed(5)
+    block_size, num_blocks, num_kv_heads, head_dim = 16, 12, 2, 64
+    md, _, _ = _step([(20, 1), (3, 1)], block_size, num_blocks, gen)
+    num_pad = 3
+    padded = AttentionMetadata(
+        slot_mapping=torch.cat([md.slot_mapping, torch.full((num_pad,), -1, device=DEVICE)]),
+        query_start_loc=torch.arange(2 + num_pad + 1, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.cat([md.seq_lens, torch.zeros(num_pad, dtype=torch.int32, device=DEVICE)]),
+        block_tables=torch.cat([md.block_tables, md.block_tables[:1].expand(num_pad, -1)]),
+        max_query_len=1, max_seq_len=md.max_seq_len, query_start_loc_cpu=list(range(2 + num_pad + 1)),
+        seq_lens_cpu=md.seq_lens_cpu + [0] * num_pad)
+    q, k, v = (torch.randn(2 + num_pad, h, head_dim, generator=gen).to(DEVICE) for h in (4, 2, 2))
+    caches = [tuple(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+                    for _ in range(2)) for _ in range(2)]
+    caches[1] = tuple(c.clone() for c in caches[0])
+    backend = TritonPagedAttention()
+    out = backend.forward(q[:2], k[:2], v[:2], *caches[0], md, 0.125)
+    out_padded = backend.forward(q, k, v, *caches[1], padded, 0.125)
+    assert torch.equal(out_padded[:2], out)
+    assert torch.equal(out_padded[2:], torch.zeros_like(out_padded[2:]))
+    assert all(torch.equal(a, b) for a, b in zip(caches[0], caches[1]))

@@ -1,0 +1,111 @@
+"""What the GPU bench scripts share: engines on a device, greedy generation, bandwidth and FLOP ceilings."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from inference_service.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from inference_service.engine.llm_engine import LLMEngine  # noqa: E402
+from inference_service.engine.sampling_params import SamplingParams  # noqa: E402
+from inference_service.metrics import EngineMetrics  # noqa: E402
+from inference_service.model.linear import Linear  # noqa: E402
+
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+# "cuda"; `--device cpu` in the scripts sets "cpu": a dry run that checks the scripts, not the GPU.
+DEVICE = "cuda"
+
+
+def make_engine(model: str | None, device: str, dtype: str, *, load_format: str = "auto", kv_mib: int | None = 2048,
+                gpu_fraction: float = 0.9, loaded=None, enforce_eager: bool = False, kv_cache_dtype: str = "auto",
+                **scheduler) -> LLMEngine:
+    config = EngineConfig(model=model, device=device, dtype=dtype, load_format=load_format, enforce_eager=enforce_eager,
+                          cache=CacheConfig(kv_cache_memory_mib=kv_mib, gpu_memory_fraction=gpu_fraction,
+                                            kv_cache_dtype=kv_cache_dtype),
+                          scheduler=SchedulerConfig(**scheduler))
+    return LLMEngine(config, loaded=loaded, metrics=EngineMetrics("bench", registry=CollectorRegistry()))
+
+
+def generate(engine: LLMEngine, prompts: list, params: SamplingParams) -> list[list[int]]:
+    """All prompts at once; the output token ids of each."""
+    out: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(engine.input_processor.process(f"r{i}", prompt, params))
+        out[f"r{i}"] = []
+    while engine.has_unfinished:
+        for delta in engine.step():
+            out[delta.request_id] += delta.token_ids
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """First index where the sequences differ (length mismatch counts); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def sync() -> None:
+    if DEVICE != "cpu":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth_gbs(num_bytes: int = 2**30) -> float:
+    """Device-to-device copy, bytes read + written, median of 20 (after 3 warm-ups)."""
+    src = torch.randn(num_bytes // 4, device=DEVICE)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(23):
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return 2 * num_bytes / times[len(times) // 2] / 1e9
+
+
+def weight_bytes_per_step(model) -> int:
+    """Weights one decode step reads: every projection (lm_head included) and norm; embeddings: one row."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            total += module.in_features * module.out_features * model.dtype.itemsize
+    for name, p in model.named_parameters():
+        if "norm" in name or name.endswith(".bias"):
+            total += p.numel() * p.element_size()
+    return total
+
+
+def matmul_tflops(n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Dense matmul rate of the device (median of 10 n x n x n products after 3 warm-ups)."""
+    a = torch.randn(n, n, device=DEVICE).to(dtype)
+    b = torch.randn(n, n, device=DEVICE).to(dtype)
+    times = []
+    for i in range(13):
+        sync()
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return 2 * n**3 / times[len(times) // 2] / 1e12
+
+
+def free_device_memory() -> None:
+    import gc
+
+    gc.collect()
+    if DEVICE != "cpu":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

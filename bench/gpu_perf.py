@@ -1,0 +1,204 @@
+"""Performance sections of `bench/gpu_engine.py` (Llama-3-8B and SmolLM2 with dummy weights on one GPU).
+
+  decode    batch 1, 128-token prompt, 512 new tokens, CUDA graphs and eager: decode tok/s against the
+            roofline = copy bandwidth (measured here) / weight bytes read per step.
+  cpu_step  host time per decode step at 1 and 256 running sequences, split into schedule, input
+            preparation, sampling-batch build and output processing, next to the step's wall time.
+  ttft      time to first token of 1k and 4k prompts against the FLOP roofline from the bf16 matmul
+            rate measured here.
+  offline   N requests of 1000 random prompt tokens and 1000 output tokens (ignore_eos), output tok/s,
+            with a bf16 and an fp8 KV cache.
+  grpc_smol SmolLM2-135M (dummy weights, same shapes) served by a real engine process, batch 1 through
+            the gRPC API: decode tok/s as a client sees it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import torch
+
+import gpu_common as common
+from gpu_common import CONFIGS, copy_bandwidth_gbs, free_device_memory, generate, make_engine, matmul_tflops, sync
+from gpu_common import weight_bytes_per_step
+
+from inference_service.engine.llm_engine import LLMEngine
+from inference_service.engine.sampler import SamplingBatch
+from inference_service.engine.sampling_params import SamplingParams
+from inference_service.model.loader import load_model
+
+
+def load_llama(config: str = "llama-3-8b"):
+    t0 = time.perf_counter()
+    loaded = load_model(os.path.join(CONFIGS, config), device=common.DEVICE, dtype=torch.bfloat16, load_format="dummy")
+    return loaded, time.perf_counter() - t0
+
+
+def _engine(loaded, **kwargs) -> LLMEngine:
+    kv_mib = None if common.DEVICE != "cpu" else 1024
+    return make_engine(loaded.model_path, common.DEVICE, "bfloat16", load_format="dummy", loaded=loaded, kv_mib=kv_mib,
+                       **kwargs)
+
+
+def _random_prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 128000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def decode(loaded, results: dict, prompt_len: int = 128, new_tokens: int = 512) -> None:
+    bw = copy_bandwidth_gbs()
+    weight_bytes = weight_bytes_per_step(loaded.model)
+    roofline = bw * 1e9 / weight_bytes
+    results["decode_roofline"] = {"copy_gbs": round(bw, 1), "weight_gb_per_step": round(weight_bytes / 1e9, 3),
+                                  "roofline_tok_s": round(roofline, 1), "target_tok_s": 170}
+    for mode, eager in (("graphs", False), ("eager", True)):
+        engine = _engine(loaded, enforce_eager=eager)
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        generate(engine, [_random_prompt(32, 9)], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        engine.add_request(engine.input_processor.process("bench", _random_prompt(prompt_len, 0), params))
+        sync()
+        stamps = [time.perf_counter()]
+        while engine.has_unfinished:
+            engine.step()  # the sampler's .tolist() syncs once per step
+            stamps.append(time.perf_counter())
+        tok_s = (new_tokens - 1) / (stamps[-1] - stamps[1])
+        step_ms = sorted((b - a) * 1e3 for a, b in zip(stamps[1:], stamps[2:]))
+        results[f"decode_bf16_{mode}"] = {
+            "batch": 1, "prompt_tokens": prompt_len, "new_tokens": new_tokens, "decode_tok_s": round(tok_s, 1),
+            "ratio_to_roofline": round(tok_s / roofline, 3), "ttft_ms": round((stamps[1] - stamps[0]) * 1e3, 1),
+            "step_ms_median": round(step_ms[len(step_ms) // 2], 3), "kv_blocks": engine.model_runner.num_blocks,
+        }
+        print(f"decode ({mode}):", results[f"decode_bf16_{mode}"], flush=True)
+        del engine
+        free_device_memory()
+
+
+class _Timer:
+    """Accumulates the wall time of calls to wrapped functions, by label."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    def wrap(self, label: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - t0
+        return timed
+
+
+def cpu_step(loaded, results: dict, steps: int = 40) -> None:
+    """Host-side cost of a decode step at 1 and 256 sequences. The model's GPU work is the graph
+    replay (asynchronous); what the host does besides is schedule, prepare inputs, build the sampling
+    batch and process outputs. `wait` is the time blocked in the sampler's single sync."""
+    engine = _engine(loaded, max_num_seqs=256)
+    runner = engine.model_runner
+    timer = _Timer()
+    engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
+    runner.inputs.prepare = timer.wrap("prepare_inputs", runner.inputs.prepare)
+    engine.update_from_output = timer.wrap("update_from_output", engine.update_from_output)
+    runner.sampler = timer.wrap("sample_incl_sync", runner.sampler)
+    original_build = SamplingBatch.build
+    SamplingBatch.build = timer.wrap("sampling_batch_build", original_build)
+    try:
+        for num_seqs in (1, 256):
+            params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+            for i in range(num_seqs):
+                engine.add_request(engine.input_processor.process(f"c{num_seqs}-{i}", _random_prompt(64, i), params))
+            while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running + list(
+                    engine.scheduler.waiting)):
+                engine.step()  # prefills
+            engine.step()
+            sync()
+            timer.totals.clear()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            wall = (time.perf_counter() - t0) / steps
+            per_step = {k: round(v / steps * 1e3, 3) for k, v in timer.totals.items()}
+            host = sum(v for k, v in per_step.items() if k != "sample_incl_sync")
+            results[f"cpu_step_{num_seqs}"] = {"running_seqs": len(engine.scheduler.running),
+                                               "step_wall_ms": round(wall * 1e3, 3), "host_ms_excl_sampler": round(host, 3),
+                                               **per_step}
+            print(f"cpu step at {num_seqs}:", results[f"cpu_step_{num_seqs}"], flush=True)
+            while engine.has_unfinished:
+                engine.step()
+    finally:
+        SamplingBatch.build = original_build
+    del engine
+    free_device_memory()
+
+
+def ttft(loaded, results: dict) -> None:
+    tflops = matmul_tflops()
+    cfg = loaded.config
+    engine = _engine(loaded)
+    linear_params = weight_bytes_per_step(loaded.model) / 2  # bf16: every projection incl. lm_head
+    out = {"matmul_tflops": round(tflops, 1)}
+    for n in (1024, 4096):
+        generate(engine, [_random_prompt(n, 5)], SamplingParams(temperature=0.0, max_tokens=1))  # warm (shapes)
+        times = []
+        for rep in range(3):
+            engine.add_request(engine.input_processor.process(
+                f"t{n}-{rep}", _random_prompt(n, 100 + rep), SamplingParams(temperature=0.0, max_tokens=1)))
+            sync()
+            t0 = time.perf_counter()
+            while engine.has_unfinished:
+                engine.step()
+            times.append(time.perf_counter() - t0)
+        # 2 FLOPs per weight per token (lm_head for the last token only, negligible) + causal attention:
+        # QK^T and PV, 2 * 2 * n^2 / 2 * hidden per layer.
+        flops = 2 * linear_params * n + 2 * n * n * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+        roof_ms = flops / (tflops * 1e12) * 1e3
+        best = min(times) * 1e3
+        out[f"prompt_{n}"] = {"ttft_ms": round(best, 2), "flop_roofline_ms": round(roof_ms, 2),
+                              "ratio": round(best / roof_ms, 2), "target_ratio": 1.5}
+    results["ttft_bf16"] = out
+    print("ttft:", out, flush=True)
+    del engine
+    free_device_memory()
+
+
+def offline(loaded, results: dict, num_requests: int, prompt_len: int = 1000, output_len: int = 1000,
+            kv_cache_dtype: str = "auto", time_limit_s: float = 240.0) -> None:
+    engine = _engine(loaded, kv_cache_dtype=kv_cache_dtype)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i in range(num_requests):
+        engine.add_request(engine.input_processor.process(f"o{i}", _random_prompt(prompt_len, 1000 + i), params))
+    t0 = time.perf_counter()
+    num_out, steps = 0, 0
+    while engine.has_unfinished and time.perf_counter() - t0 < time_limit_s:
+        num_out += sum(len(d.token_ids) for d in engine.step())
+        steps += 1
+    elapsed = time.perf_counter() - t0
+    key = f"offline_{'fp8' if kv_cache_dtype == 'fp8' else 'bf16'}_kv"
+    results[key] = {
+        "requests": num_requests, "prompt_tokens": prompt_len, "output_tokens": output_len,
+        "finished": not engine.has_unfinished, "elapsed_s": round(elapsed, 1), "output_tokens_done": num_out,
+        "steps": steps, "output_tok_s": round(num_out / elapsed, 1), "preemptions": engine.scheduler.num_preemptions,
+        "kv_blocks": engine.model_runner.num_blocks, "target_tok_s": 10000 if kv_cache_dtype == "fp8" else 7000,
+    }
+    print(f"offline ({kv_cache_dtype} KV):", results[key], flush=True)
+    del engine
+    free_device_memory()
+
+
+def grpc_smol(results: dict, new_tokens: int = 512) -> None:
+    import decode_throughput  # the CPU bench's gRPC client
+    from tests.grpc_client import start_engine
+
+    log = os.path.join(tempfile.mkdtemp(), "engine.log")
+    engine = start_engine("--model", os.path.join(CONFIGS, "smollm2-135m"), "--load-format", "dummy", "--device",
+                          common.DEVICE, "--dtype", "bfloat16", "--kv-cache-memory", "4096", log_path=log)
+    try:
+        decode_throughput.stream_decode_rate(engine.target, 1, 16)  # warm up
+        rate, first = decode_throughput.stream_decode_rate(engine.target, 1, new_tokens)
+        rate16, _ = decode_throughput.stream_decode_rate(engine.target, 16, new_tokens)
+    finally:
+        engine.stop()
+    results["grpc_smollm2_bf16"] = {"batch1_decode_tok_s": round(rate, 1), "ttft_ms": round(first * 1e3, 1),
+                                    "concurrent16_tok_s": round(rate16, 1), "target_tok_s": 1000}
+    print("gRPC SmolLM2:", results["grpc_smollm2_bf16"], flush=True)

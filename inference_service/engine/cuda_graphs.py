@@ -1,0 +1,91 @@
+"""CUDA graphs of the decode step: one capture per batch size, replayed instead of ~1000 launches.
+
+A decode-only step of B sequences runs the graph of the smallest captured size >= B; the rows past
+B are padding (`StepInputs.prepare(pad_to=...)`). Each graph is captured over prefixes of the
+persistent input buffers and computes the logits of every row into its own output tensor, so a
+replay is: fill the buffers, `graph.replay()`, read `logits[:B]`. The graphs share one memory pool
+(captured largest first, so the smaller ones reuse its blocks).
+
+The attention metadata captured with a graph is fixed: its host-side `max_seq_len` is the longest
+context a sequence may reach, so the Triton decode kernel's split count suits every later step
+(its trailing splits are empty on shorter contexts).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from inference_service.attention.metadata import AttentionMetadata
+from inference_service.engine.step_inputs import StepInputs
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to `max_batch_size` (vLLM's choice: padding wastes
+    at most 7 rows past 8), always ending at `max_batch_size` itself."""
+    sizes = [s for s in (1, 2, 4) if s < max_batch_size] + list(range(8, max_batch_size, 8))
+    return sizes + [max_batch_size]
+
+
+class DecodeGraphs:
+    """Captured decode steps for `sizes` batch sizes over `inputs`' buffers."""
+
+    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+                 inputs: StepInputs, sizes: list[int], max_seq_len: int, device: torch.device):
+        self.sizes = sorted(sizes)
+        self.max_batch_size = self.sizes[-1]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # batch size -> [size, vocab] float32
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
+        pool = None
+        for size in reversed(self.sizes):
+            metadata = _padding_metadata(inputs, size, max_seq_len)
+            input_ids, positions = inputs.input_ids.device[:size], inputs.positions.device[:size]
+            forward(input_ids, positions, metadata)  # warm-up: compiles and autotunes outside the capture
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[size] = forward(input_ids, positions, metadata)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize(device)
+        self.memory_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+        logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s, %.0f MiB", len(self.sizes),
+                    self.sizes[0], self.max_batch_size, time.perf_counter() - start, self.memory_bytes / 2**20)
+
+    def padded_size(self, num_seqs: int) -> int | None:
+        """The captured size a decode step of `num_seqs` sequences runs at; None if none fits."""
+        if num_seqs > self.max_batch_size:
+            return None
+        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+
+    def replay(self, size: int) -> torch.Tensor:
+        """Runs the graph of `size` over the buffers as they are now; its logits [size, vocab]."""
+        self.graphs[size].replay()
+        return self.logits[size]
+
+
+def _padding_metadata(inputs: StepInputs, size: int, max_seq_len: int) -> AttentionMetadata:
+    """Metadata of `size` one-token sequences over the buffers' prefixes, for capture. The buffers
+    are filled as padding (slot -1, seq_len 0), so the warm-up and capture runs touch no cache."""
+    inputs.slot_mapping.device[:size].fill_(-1)
+    inputs.seq_lens.device[:size].zero_()
+    inputs.query_start_loc.device[:size + 1].copy_(torch.arange(size + 1, dtype=torch.int32))
+    inputs.input_ids.device[:size].zero_()
+    inputs.positions.device[:size].zero_()
+    return AttentionMetadata(
+        slot_mapping=inputs.slot_mapping.device[:size],
+        query_start_loc=inputs.query_start_loc.device[:size + 1],
+        seq_lens=inputs.seq_lens.device[:size],
+        block_tables=inputs.block_tables.device[:size],
+        max_query_len=1,
+        max_seq_len=max_seq_len,
+        query_start_loc_cpu=list(range(size + 1)),
+        seq_lens_cpu=[max_seq_len] * size,
+    )

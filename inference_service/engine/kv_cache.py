@@ -1,0 +1,127 @@
+"""The paged KV cache: its element type, its size from the memory budget, and its allocation.
+
+On a GPU with no fixed `--kv-cache-memory`, the cache takes `--gpu-memory-fraction` of the memory
+free once the weights are loaded, less what the steps themselves need: the activation peak of the
+largest prefill step and of the largest captured decode graph, measured by running both once over a
+one-block stand-in cache before the real cache exists.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from inference_service.attention.metadata import AttentionMetadata
+from inference_service.config import CacheConfig
+from inference_service.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_MIB = 1024
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """One layer's k_cache and v_cache are each [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def build(cls, model_config: ModelConfig, cache_config: CacheConfig, model_dtype: torch.dtype,
+              attention_backend: str) -> KVCacheSpec:
+        dtype = model_dtype
+        if cache_config.kv_cache_dtype == "fp8":
+            if attention_backend != "triton":
+                raise ValueError("--kv-cache-dtype fp8 needs the Triton attention backend (a CUDA device, "
+                                 f"or --attention-backend triton); this engine uses {attention_backend!r}")
+            dtype = FP8_KV_DTYPE
+        return cls(model_config.num_hidden_layers, cache_config.block_size, model_config.num_key_value_heads,
+                   model_config.head_dim, dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def block_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+def allocate_kv_caches(spec: KVCacheSpec, cache_config: CacheConfig, device: torch.device, reserve_bytes: int = 0
+                       ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(num_blocks, [(k_cache, v_cache)] per layer), zero-filled, sized from the config's budget;
+    `reserve_bytes` is kept free on a GPU for activations and graphs."""
+    if cache_config.kv_cache_memory_mib is not None:
+        budget = cache_config.kv_cache_memory_mib * 2**20
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * cache_config.gpu_memory_fraction) - reserve_bytes
+    else:
+        budget = DEFAULT_CPU_KV_CACHE_MIB * 2**20
+    num_blocks = budget // spec.bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"KV cache budget of {budget / 2**20:.1f} MiB holds no block of {spec.bytes_per_block} "
+                         f"bytes (reserved for activations: {reserve_bytes / 2**20:.0f} MiB)")
+    shape = spec.block_shape(num_blocks)
+    caches = [(torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+              for _ in range(spec.num_layers)]
+    logger.info("KV cache: %d blocks x %d tokens (%d tokens, %.0f MiB, %s on %s; %.0f MiB kept for activations)",
+                num_blocks, spec.block_size, num_blocks * spec.block_size, num_blocks * spec.bytes_per_block / 2**20,
+                spec.dtype, device, reserve_bytes / 2**20)
+    return int(num_blocks), caches
+
+
+@torch.inference_mode()
+def profile_activation_bytes(model: torch.nn.Module, spec: KVCacheSpec, max_num_tokens: int, max_graph_batch: int,
+                             max_model_len: int, device: torch.device) -> int:
+    """Peak bytes a prefill step of `max_num_tokens` tokens needs, plus those a decode step of
+    `max_graph_batch` rows keeps in the graph pool, plus the graphs' shared logits buffer.
+
+    Runs on a one-block cache: every block-table entry is block 0 and no slot is written (-1), so
+    the attention reads garbage but finite keys, which is all a memory profile needs."""
+    one_block = torch.zeros(spec.block_shape(1), dtype=spec.dtype, device=device)
+    caches = [(one_block, one_block)] * spec.num_layers
+    seq_len = min(max_num_tokens, max_model_len)
+    num_seqs = -(-max_num_tokens // seq_len)
+    query_lens = [seq_len] * (num_seqs - 1) + [max_num_tokens - seq_len * (num_seqs - 1)]
+
+    def peak_of(lens: list[int], decode: bool) -> int:
+        num_tokens = sum(lens)
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        seq_lens = [1 if decode else n for n in lens]
+        width = -(-max(seq_lens) // spec.block_size)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.zeros((len(lens), width), dtype=torch.int32, device=device),
+            max_query_len=max(lens), max_seq_len=max(seq_lens), query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
+        )
+        positions = torch.cat([torch.arange(n, device=device) for n in lens])
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        hidden = model(input_ids, positions, caches, metadata)
+        last_rows = torch.tensor(starts[1:], device=device) - 1
+        model.compute_logits(hidden[last_rows])
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+
+    prefill = peak_of(query_lens, decode=False)
+    decode = peak_of([1] * max_graph_batch, decode=True) if max_graph_batch else 0
+    logits = max_graph_batch * model.config.vocab_size * 4
+    del one_block, caches
+    torch.cuda.empty_cache()
+    logger.info("activation peaks: prefill of %d tokens %.0f MiB, decode of %d rows %.0f MiB", max_num_tokens,
+                prefill / 2**20, max_graph_batch, decode / 2**20)
+    return prefill + decode + logits

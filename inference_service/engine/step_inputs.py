@@ -1,0 +1,117 @@
+"""The model's per-step inputs, kept in persistent buffers.
+
+Each step writes its token ids, positions, cache slots and block tables into numpy views of host
+buffers (pinned on a GPU) and copies the used prefix of each to a device buffer of the same shape,
+one asynchronous copy per tensor. The device buffers never move, so a CUDA graph captured over a
+prefix of them replays against whatever a later step wrote there. On the CPU the host buffer is the
+device buffer and nothing is copied.
+
+A decode step padded to a captured batch size fills its padding rows with slot -1 (nothing is
+written to the cache) and seq_len 0 (the decode kernel returns zeros for them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from inference_service.attention.metadata import AttentionMetadata
+from inference_service.engine.scheduler import ScheduledSeq
+
+
+class _Buffer:
+    """A host tensor with a numpy view and its device twin (the same tensor on the CPU)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        on_gpu = device.type == "cuda"
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=on_gpu)
+        self.np = self.host.numpy()
+        self.device = torch.zeros(shape, dtype=dtype, device=device) if on_gpu else self.host
+        self.is_copied = on_gpu
+
+    def upload(self, n: int) -> torch.Tensor:
+        """The device buffer's first n rows, after copying the host's first n rows into them."""
+        if self.is_copied:
+            self.device[:n].copy_(self.host[:n], non_blocking=True)
+        return self.device[:n]
+
+
+class StepInputs:
+    """Fills the persistent input buffers from a scheduled step.
+
+    Sizes: up to `max_num_tokens` tokens and `max_num_seqs` sequences a step, each sequence at
+    most `max_blocks_per_seq` blocks long."""
+
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device):
+        self.block_size = block_size
+        self.device = device
+        self.input_ids = _Buffer((max_num_tokens,), torch.int64, device)
+        self.positions = _Buffer((max_num_tokens,), torch.int64, device)
+        self.slot_mapping = _Buffer((max_num_tokens,), torch.int64, device)
+        self.query_start_loc = _Buffer((max_num_seqs + 1,), torch.int32, device)
+        self.seq_lens = _Buffer((max_num_seqs,), torch.int32, device)
+        self.block_tables = _Buffer((max_num_seqs, max_blocks_per_seq), torch.int32, device)
+
+    def prepare(self, scheduled: list[ScheduledSeq], pad_to: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids [T], positions [T], metadata) for the step, T = its number of tokens.
+
+        `pad_to` (decode-only steps) pads the batch to that many one-token sequences."""
+        bs = self.block_size
+        num_seqs = len(scheduled)
+        input_ids, positions, slots = self.input_ids.np, self.positions.np, self.slot_mapping.np
+        query_start_loc, seq_lens, block_tables = self.query_start_loc.np, self.seq_lens.np, self.block_tables.np
+        query_start_loc[0] = 0
+        lo = max_query_len = max_num_blocks = 0
+        for i, s in enumerate(scheduled):
+            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            end = start + n
+            block_table = seq.block_table
+            num_blocks = len(block_table)
+            block_tables[i, :num_blocks] = block_table
+            max_num_blocks = max(max_num_blocks, num_blocks)
+            seq_lens[i] = end
+            query_start_loc[i + 1] = lo + n
+            max_query_len = max(max_query_len, n)
+            if n == 1:  # decode: skip the numpy temporaries
+                input_ids[lo] = seq.token_ids[start]
+                positions[lo] = start
+                slots[lo] = block_table[start // bs] * bs + start % bs
+            else:
+                input_ids[lo:lo + n] = seq.token_ids[start:end]
+                pos = np.arange(start, end)
+                positions[lo:lo + n] = pos
+                slots[lo:lo + n] = block_tables[i, pos // bs] * bs + pos % bs
+            lo += n
+        num_tokens = lo
+        seq_lens_cpu = seq_lens[:num_seqs].tolist()
+        max_seq_len = max(seq_lens_cpu)
+        if pad_to is not None and pad_to > num_seqs:
+            assert max_query_len == 1, "only decode-only steps are padded"
+            slots[num_tokens:pad_to] = -1
+            input_ids[num_tokens:pad_to] = 0
+            positions[num_tokens:pad_to] = 0
+            seq_lens[num_seqs:pad_to] = 0
+            query_start_loc[num_seqs + 1:pad_to + 1] = np.arange(num_tokens + 1, pad_to + 1)
+            num_seqs = num_tokens = pad_to
+        metadata = AttentionMetadata(
+            slot_mapping=self.slot_mapping.upload(num_tokens),
+            query_start_loc=self.query_start_loc.upload(num_seqs + 1),
+            seq_lens=self.seq_lens.upload(num_seqs),
+            block_tables=self._upload_block_tables(num_seqs, max_num_blocks),
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            query_start_loc_cpu=query_start_loc[:num_seqs + 1].tolist(),
+            seq_lens_cpu=seq_lens[:num_seqs].tolist(),
+        )
+        return self.input_ids.upload(num_tokens), self.positions.upload(num_tokens), metadata
+
+    def _upload_block_tables(self, num_seqs: int, num_blocks: int) -> torch.Tensor:
+        """[num_seqs, width] int32. On a GPU every column is copied (graphs read the full width);
+        on the CPU only the columns in use are viewed. Columns past a sequence's own blocks hold
+        stale but valid block ids: every reader stops at the sequence's length."""
+        table = self.block_tables
+        if table.is_copied:
+            return table.upload(num_seqs)
+        return table.device[:num_seqs, :max(num_blocks, 1)]

@@ -1,0 +1,94 @@
+"""Step inputs in persistent buffers, decode-graph batch sizes, and the KV cache's element type."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference_service.config import CacheConfig, EngineConfig
+from inference_service.engine.cuda_graphs import capture_sizes
+from inference_service.engine.kv_cache import FP8_KV_DTYPE, KVCacheSpec
+from inference_service.engine.sampling_params import SamplingParams
+from inference_service.engine.scheduler import ScheduledSeq
+from inference_service.engine.sequence import Sequence
+from inference_service.engine.step_inputs import StepInputs
+from inference_service.model.config import ModelConfig
+
+BLOCK_SIZE = 4
+
+
+def _seq(token_ids: list[int], block_table: list[int], num_computed: int) -> Sequence:
+    seq = Sequence("r", 0, list(token_ids), len(token_ids), SamplingParams(), frozenset(), 64)
+    seq.block_table, seq.num_computed_tokens = list(block_table), num_computed
+    return seq
+
+
+def _inputs() -> StepInputs:
+    return StepInputs(max_num_tokens=32, max_num_seqs=8, max_blocks_per_seq=6, block_size=BLOCK_SIZE,
+                      device=torch.device("cpu"))
+
+
+def test_prepare_mixed_step_exact_buffers():
+    inputs = _inputs()
+    chunk = _seq(list(range(100, 110)), [7, 2, 9], num_computed=3)  # tokens 3..8 of a 10-token prompt
+    decode = _seq([5, 6, 7, 8, 9], [4, 1], num_computed=4)  # its 5th token, position 4 -> block 1, offset 0
+    ids, positions, md = inputs.prepare([ScheduledSeq(chunk, 6, False), ScheduledSeq(decode, 1, True)])
+    assert ids.tolist() == [103, 104, 105, 106, 107, 108, 9]
+    assert positions.tolist() == [3, 4, 5, 6, 7, 8, 4]
+    # position p of block table t -> t[p // 4] * 4 + p % 4
+    assert md.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 9 * 4 + 0, 1 * 4 + 0]
+    assert md.query_start_loc.tolist() == md.query_start_loc_cpu == [0, 6, 7]
+    assert md.seq_lens.tolist() == md.seq_lens_cpu == [9, 5]
+    assert (md.max_query_len, md.max_seq_len) == (6, 9)
+    assert md.block_tables.shape == (2, 3)
+    assert md.block_tables[0].tolist() == [7, 2, 9] and md.block_tables[1, :2].tolist() == [4, 1]
+
+
+def test_prepare_reuses_buffers_and_pads_decode_steps():
+    inputs = _inputs()
+    inputs.prepare([ScheduledSeq(_seq(list(range(20)), [0, 1, 2, 3, 5], 0), 20, True)])  # leaves stale values
+    seqs = [_seq([1, 2, 3], [3], 2), _seq([4, 5, 6, 7, 8, 9], [6, 8], 5)]
+    ids, positions, md = inputs.prepare([ScheduledSeq(s, 1, True) for s in seqs], pad_to=4)
+    assert ids.tolist() == [3, 9, 0, 0]
+    assert positions.tolist() == [2, 5, 0, 0]  # padding rows at position 0, inside every rope table
+    assert md.slot_mapping.tolist() == [3 * 4 + 2, 8 * 4 + 1, -1, -1]  # padding writes no cache slot
+    assert md.seq_lens.tolist() == [3, 6, 0, 0]  # and attends to nothing
+    assert md.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert md.block_tables.shape[0] == 4 and md.max_query_len == 1
+    with pytest.raises(AssertionError, match="decode-only"):
+        inputs.prepare([ScheduledSeq(seqs[1], 2, True)], pad_to=2)
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(30) == [1, 2, 4, 8, 16, 24, 30]
+    sizes = capture_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 3 + 32
+
+
+def _model_config() -> ModelConfig:
+    return ModelConfig(architecture="LlamaForCausalLM", model_type="llama", hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                       head_dim=16)
+
+
+def test_kv_cache_spec_dtype_and_block_bytes():
+    spec = KVCacheSpec.build(_model_config(), CacheConfig(block_size=16), torch.bfloat16, "torch")
+    assert spec.dtype == torch.bfloat16 and spec.block_shape(5) == (5, 16, 2, 16)
+    assert spec.bytes_per_block == 2 * 3 * 16 * 2 * 16 * 2  # k and v, layers, tokens, kv heads, head_dim, bytes
+    fp8 = KVCacheSpec.build(_model_config(), CacheConfig(block_size=16, kv_cache_dtype="fp8"), torch.bfloat16, "triton")
+    assert fp8.dtype == FP8_KV_DTYPE and fp8.bytes_per_block == spec.bytes_per_block // 2
+
+
+def test_fp8_kv_cache_needs_the_triton_backend():
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 needs the Triton attention backend"):
+        KVCacheSpec.build(_model_config(), CacheConfig(kv_cache_dtype="fp8"), torch.float32, "torch")
+
+
+def test_gpu_config_validation():
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be auto or fp8"):
+        CacheConfig(kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="--max-cuda-graph-batch-size must be >= 1"):
+        EngineConfig(max_cuda_graph_batch_size=0)
