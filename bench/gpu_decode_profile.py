@@ -1,0 +1,152 @@
+"""Where a batch-1 decode step's GPU time goes (Llama-3-8B bf16, dummy weights), on one GPU.
+
+  gemv      each linear layer's shape at one row: torch's matmul (cuBLAS) against `kernels.gemv`
+            over a grid of tile configurations, as bandwidth (weight bytes / time) next to the copy
+            bandwidth measured here. Weights rotate over copies larger than L2, timed as CUDA-graph
+            replays.
+  profile   the engine's decode steps (CUDA graphs) under torch.profiler: GPU time per step by
+            kernel, and their sum against the step's wall time.
+
+Usage: python bench/gpu_decode_profile.py [--only gemv,profile] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import gpu_common as common  # noqa: E402
+
+# (name, N, K) of Llama-3-8B's projections
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+          ("lm_head", 128256, 4096)]
+CONFIGS = [(bn, bk, warps, stages) for bn in (4, 8, 16) for bk in (256, 512, 1024) for warps in (4, 8)
+           for stages in (2, 3)]
+
+
+def _graph_time_ms(fn, calls: int) -> float:
+    """Median time of one `fn(i)` (i = 0..calls-1) from replays of a graph of all the calls."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for i in range(calls):
+            fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    times = []
+    for _ in range(15):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def gemv_section(results: dict) -> None:
+    from kernels.gemv import gemv
+
+    copy_gbs = common.copy_bandwidth_gbs()
+    out = {"copy_gbs": round(copy_gbs, 1)}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, n, k in SHAPES:
+        copies = max(2, -(-300 * 2**20 // (n * k * 2)))  # > 300 MiB in all, far past L2
+        ws = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+        ref = F.linear(x.float(), ws[0].float())
+        calls = 2 * copies
+        gbs = lambda ms: n * k * 2 / (ms * 1e-3) / 1e9  # noqa: E731
+        row = {"cublas_gbs": round(gbs(_graph_time_ms(lambda i: torch.matmul(x, ws[i % copies].t(), out=y), calls)), 1)}
+        best = None
+        for bn, bk, warps, stages in CONFIGS:
+            try:
+                got = gemv(x, ws[0], block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+                err = ((got.float() - ref).norm() / ref.norm()).item()
+                if not err < 1e-2:
+                    row[f"error_{bn}_{bk}_{warps}_{stages}"] = err
+                    continue
+                ms = _graph_time_ms(lambda i: gemv(x, ws[i % copies], out=y, block_n=bn, block_k=bk, num_warps=warps,
+                                                   num_stages=stages), calls)
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+                row[f"failed_{bn}_{bk}_{warps}_{stages}"] = repr(e)[:200]
+                continue
+            if best is None or ms < best[0]:
+                best = (ms, (bn, bk, warps, stages))
+        row["triton_best_gbs"], row["triton_best_config"] = round(gbs(best[0]), 1), best[1]
+        row["ratio_triton_to_cublas"] = round(row["triton_best_gbs"] / row["cublas_gbs"], 3)
+        out[name] = row
+        print(f"gemv {name} [{n}x{k}]: {row}", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    results["gemv"] = out
+
+
+def profile_section(results: dict, steps: int = 20) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    import gpu_perf
+    from inference_service.engine.sampling_params import SamplingParams
+
+    loaded, _ = gpu_perf.load_llama()
+    engine = gpu_perf._engine(loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
+    engine.add_request(engine.input_processor.process("p", gpu_perf._random_prompt(128, 0), params))
+    for _ in range(20):
+        engine.step()
+    common.sync()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        common.sync()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    kernels = {}
+    for evt in prof.key_averages():
+        device_us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
+        if device_us > 0:
+            kernels[evt.key] = (device_us / steps, evt.count / steps)
+    total_us = sum(us for us, _ in kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
+    results["decode_profile"] = {
+        "step_wall_ms_under_profiler": round(wall_ms, 3), "gpu_kernel_ms_per_step": round(total_us / 1e3, 3),
+        "kernels_per_step": round(sum(c for _, c in kernels.values()), 1),
+        "top": [{"kernel": k[:90], "us_per_step": round(us, 1), "calls_per_step": round(c, 1)} for k, (us, c) in top],
+    }
+    print(json.dumps(results["decode_profile"], indent=1), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="gemv,profile")
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_profile"))
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    results = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("COMMIT", "unknown"),
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    sections = {"gemv": gemv_section, "profile": profile_section}
+    for name in args.only.split(","):
+        try:
+            sections[name](results)
+        except Exception:  # noqa: BLE001 - report and go on
+            import traceback
+            results.setdefault("errors", {})[name] = traceback.format_exc()
+            print(results["errors"][name], flush=True)
+        with open(os.path.join(args.out, "gpu_decode_profile.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
