@@ -8,6 +8,7 @@ from kernels._common import FP8_DTYPE, FP8_MAX
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.attention_ref import paged_decode_attention_ref
 from kernels.decode_attention import choose_num_kv_splits, paged_decode_attention
+from kernels.gemv import MAX_GEMV_ROWS, gemv, gemv_ref
 from kernels.kv_write import quantize_fp8_ref, write_kv_cache, write_kv_cache_ref
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_ref
@@ -16,10 +17,13 @@ from kernels.rotary import apply_rotary, build_cos_sin_cache, rope_inv_freq, rot
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
+    "MAX_GEMV_ROWS",
     "apply_rotary",
     "build_cos_sin_cache",
     "choose_num_kv_splits",
     "fused_add_rms_norm",
+    "gemv",
+    "gemv_ref",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "paged_prefill_attention",

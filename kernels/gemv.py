@@ -1,10 +1,14 @@
-"""Skinny matmul for decode: y = x @ w.T with few rows of x (the batch) and a large weight.
+"""Skinny matmul for decode: y = x @ w.T (+ bias) with few rows of x (the batch) and a large weight.
 
 At batch 1-16 a linear layer is bound by reading its weight once from memory. Each program owns
 BLOCK_N output columns: it streams its [BLOCK_N, K] slab of w (rows contiguous in K, so every load
 is coalesced) through a [BLOCK_N, BLOCK_K] fp32 accumulator per row of x and reduces it once at the
 end. No split over K: every output is one program's fixed-order sum, so the result of a row does not
 depend on the batch it is in (batch invariance), and there are no atomics.
+
+`gated=True` fuses the gated MLP's activation into the down projection: x holds [gate | up] and the
+kernel multiplies silu(gate) * up (in fp32, never rounded) into the weight, saving a launch and a
+round trip of the activation through memory.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from kernels._common import (
     ACT_DTYPES,
     cast,
     is_interpreter,
+    next_pow2,
     require,
     require_dtype,
     require_inner_contiguous,
@@ -31,6 +36,7 @@ def _gemv_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
     y_ptr,  # [M, N]
+    b_ptr,  # [N] bias, or any pointer when not HAS_BIAS
     N,
     K,
     stride_xm,
@@ -40,6 +46,8 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,  # x rows are [gate (K) | up (K)]; the input is silu(gate) * up
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -57,54 +65,91 @@ def _gemv_kernel(
             mask_k = k < K
             w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         # x rows are tiny and stay in L1/L2; the weight is read exactly once.
-        x0 = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        acc0 += w * x0[None, :]
+        acc0 += w * _load_x(x_ptr, k, K, GATED)[None, :]
         if M > 1:
-            x1 = tl.load(x_ptr + stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-            acc1 += w * x1[None, :]
+            acc1 += w * _load_x(x_ptr + stride_xm, k, K, GATED)[None, :]
         if M > 2:
-            x2 = tl.load(x_ptr + 2 * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-            acc2 += w * x2[None, :]
+            acc2 += w * _load_x(x_ptr + 2 * stride_xm, k, K, GATED)[None, :]
         if M > 3:
-            x3 = tl.load(x_ptr + 3 * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-            acc3 += w * x3[None, :]
+            acc3 += w * _load_x(x_ptr + 3 * stride_xm, k, K, GATED)[None, :]
+    bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     out_ty = y_ptr.dtype.element_ty
-    tl.store(y_ptr + offs_n, cast(tl.sum(acc0, axis=1), out_ty), mask=mask_n)
+    tl.store(y_ptr + offs_n, cast(tl.sum(acc0, axis=1) + bias, out_ty), mask=mask_n)
     if M > 1:
-        tl.store(y_ptr + stride_ym + offs_n, cast(tl.sum(acc1, axis=1), out_ty), mask=mask_n)
+        tl.store(y_ptr + stride_ym + offs_n, cast(tl.sum(acc1, axis=1) + bias, out_ty), mask=mask_n)
     if M > 2:
-        tl.store(y_ptr + 2 * stride_ym + offs_n, cast(tl.sum(acc2, axis=1), out_ty), mask=mask_n)
+        tl.store(y_ptr + 2 * stride_ym + offs_n, cast(tl.sum(acc2, axis=1) + bias, out_ty), mask=mask_n)
     if M > 3:
-        tl.store(y_ptr + 3 * stride_ym + offs_n, cast(tl.sum(acc3, axis=1), out_ty), mask=mask_n)
+        tl.store(y_ptr + 3 * stride_ym + offs_n, cast(tl.sum(acc3, axis=1) + bias, out_ty), mask=mask_n)
+
+
+@triton.jit
+def _load_x(row_ptr, k, K, GATED: tl.constexpr):
+    """Elements k of one input row, in fp32: x itself, or silu(gate) * up."""
+    if GATED:
+        gate = tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        up = tl.load(row_ptr + K + k, mask=k < K, other=0.0).to(tl.float32)
+        return gate * tl.sigmoid(gate) * up
+    return tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+
+
+def gemv_config(num_rows: int, n: int) -> dict:
+    """Tiles measured best on an H100 at one row (bench/gpu_decode_profile.py, Llama-3-8B shapes):
+    wide K tiles, and fewer output columns a program the more columns there are. The K tile and the
+    warp count stay the same for every row count (they fix the summation order: batch invariance);
+    more rows narrow the column tile instead, keeping the accumulators' registers in budget."""
+    block_n = 4 if n >= 16384 else 8 if n >= 6144 else 16
+    return {"block_n": min(block_n, 16 // next_pow2(num_rows)), "block_k": 1024, "num_warps": 8, "num_stages": 3}
 
 
 def gemv(
-    x: torch.Tensor,  # [M, K], M <= MAX_GEMV_ROWS
+    x: torch.Tensor,  # [M, K] ([M, 2K] = [gate | up] when gated), M <= MAX_GEMV_ROWS
     w: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
     *,
+    gated: bool = False,
     out: torch.Tensor | None = None,  # [M, N]
-    block_n: int = 8,
-    block_k: int = 512,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
-    """x @ w.T for a few rows of x, accumulated in fp32 and rounded once to x's dtype."""
-    require(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1],
-            f"x [M, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
-    num_rows, k = x.shape
-    n = w.shape[0]
+    """x @ w.T + bias for a few rows of x, accumulated in fp32 and rounded once to x's dtype;
+    with `gated`, silu(gate) * up @ w.T. Tile arguments left None come from `gemv_config`."""
+    require(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1] * (2 if gated else 1),
+            f"x [M, {'2K' if gated else 'K'}] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
+    num_rows = x.shape[0]
+    n, k = w.shape
     require(1 <= num_rows <= MAX_GEMV_ROWS, f"x: 1..{MAX_GEMV_ROWS} rows, got {num_rows}")
     require_dtype("x", x, ACT_DTYPES)
     require_dtype("w", w, ACT_DTYPES)
     require_inner_contiguous("x", x)
     require_inner_contiguous("w", w)
+    require(bias is None or tuple(bias.shape) == (n,), f"bias: expected [{n}], got {None if bias is None else tuple(bias.shape)}")
     if out is None:
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     require(tuple(out.shape) == (num_rows, n), f"out: shape {tuple(out.shape)} != {(num_rows, n)}")
     require_inner_contiguous("out", out)
     require_same_device(x=x, w=w, out=out)
-    opts = {} if is_interpreter() else {"num_warps": num_warps, "num_stages": num_stages}
+    tiles = gemv_config(num_rows, n)
+    block_n, block_k = block_n or tiles["block_n"], block_k or tiles["block_k"]
+    opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"],
+                                        "num_stages": num_stages or tiles["num_stages"]}
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w, out, n, k, x.stride(0), w.stride(0), out.stride(0),
-        M=num_rows, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, **opts)
+        x, w, out, bias if bias is not None else out, n, k, x.stride(0), w.stride(0), out.stride(0),
+        M=num_rows, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None,
+        GATED=gated, **opts)
     return out
+
+
+def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+             ) -> torch.Tensor:
+    """float64 reference of `gemv`."""
+    x = x.double()
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
+    y = x @ w.double().T
+    return y if bias is None else y + bias.double()

@@ -191,6 +191,10 @@ class DecoderModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
+        if self.fused_kernels:
+            from inference_service.model.fused_layers import skinny_linear  # noqa: PLC0415 - imported in __init__
+
+            return skinny_linear(self.lm_head, hidden).float()
         return self.lm_head(hidden).float()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:

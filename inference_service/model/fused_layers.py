@@ -23,6 +23,7 @@ import kernels
 from inference_service.attention.metadata import AttentionMetadata
 from inference_service.model.config import ModelConfig
 from inference_service.model.decoder import MLP, Attention, DecoderLayer, RMSNorm
+from inference_service.model.linear import Linear
 from inference_service.model.rope import compute_inv_freq
 
 
@@ -43,6 +44,18 @@ class TritonRotary:
         kernels.apply_rotary(q, k, positions, self.cos_sin_cache, is_neox=True)
 
 
+def skinny_linear(layer: Linear, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """`layer(x)` ([T, in] -> [T, out]); with `gated`, x is [T, 2 * in] = [gate | up] and the layer
+    projects silu(gate) * up.
+
+    A decode batch of a few rows in bf16/fp16 runs `kernels.gemv`, which streams the weight ~10-20%
+    faster than cuBLAS at one row (H100) and fuses the gate. fp32 keeps the library matmul: it is the
+    reference-precision path, compared token for token with the CPU engine."""
+    if x.shape[0] <= kernels.MAX_GEMV_ROWS and layer.weight.dtype in (torch.bfloat16, torch.float16):
+        return kernels.gemv(x, layer.weight, layer.bias, gated=gated)
+    return layer(kernels.silu_and_mul(x) if gated else x)
+
+
 class FusedRMSNorm(RMSNorm):
     """RMSNorm fused with the residual add before it, in fp32 and rounded once."""
 
@@ -58,7 +71,7 @@ class FusedAttention(Attention):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
+        qkv = skinny_linear(self.qkv_proj, x)  # [T, q + 2 kv]
         q_end, k_end = self.q_size, self.q_size + self.kv_size
         if self.q_norm is None:
             q = qkv[:, :q_end].view(num_tokens, self.num_heads, self.head_dim)  # views of qkv, rotated in place
@@ -75,12 +88,12 @@ class FusedAttention(Attention):
         self.rotary.apply_(q, k, positions)
         v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return skinny_linear(self.o_proj, out.reshape(num_tokens, self.q_size))
 
 
 class FusedMLP(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))  # [T, 2 I] -> [T, I] -> [T, H]
+        return skinny_linear(self.down_proj, skinny_linear(self.gate_up_proj, x), gated=True)  # [T, 2 I] -> [T, H]
 
 
 class FusedDecoderLayer(DecoderLayer):
