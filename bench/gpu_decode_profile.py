@@ -94,19 +94,27 @@ def gemv_section(results: dict) -> None:
     results["gemv"] = out
 
 
-def profile_section(results: dict, steps: int = 20) -> None:
+def profile_section(results: dict, batch: int = 1, context: int = 128, steps: int = 20) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     import gpu_perf
     from inference_service.engine.sampling_params import SamplingParams
 
     loaded, _ = gpu_perf.load_llama()
-    engine = gpu_perf._engine(loaded)
+    engine = gpu_perf._engine(loaded, max_num_seqs=max(batch, 256))
     params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
-    engine.add_request(engine.input_processor.process("p", gpu_perf._random_prompt(128, 0), params))
-    for _ in range(20):
+    for i in range(batch):
+        engine.add_request(engine.input_processor.process(f"p{i}", gpu_perf._random_prompt(context, i), params))
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running + list(
+            engine.scheduler.waiting)):
+        engine.step()  # prefills
+    engine.step()
+    common.sync()
+    t0 = time.perf_counter()
+    for _ in range(10):
         engine.step()
     common.sync()
+    unprofiled_ms = (time.perf_counter() - t0) * 1e3 / 10
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -120,23 +128,26 @@ def profile_section(results: dict, steps: int = 20) -> None:
             kernels[evt.key] = (device_us / steps, evt.count / steps)
     total_us = sum(us for us, _ in kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
-    results["decode_profile"] = {
-        "step_wall_ms_under_profiler": round(wall_ms, 3), "gpu_kernel_ms_per_step": round(total_us / 1e3, 3),
+    results[f"decode_profile_b{batch}_ctx{context}"] = {
+        "step_wall_ms": round(unprofiled_ms, 3), "step_wall_ms_under_profiler": round(wall_ms, 3), "gpu_kernel_ms_per_step": round(total_us / 1e3, 3),
         "kernels_per_step": round(sum(c for _, c in kernels.values()), 1),
         "top": [{"kernel": k[:90], "us_per_step": round(us, 1), "calls_per_step": round(c, 1)} for k, (us, c) in top],
     }
-    print(json.dumps(results["decode_profile"], indent=1), flush=True)
+    print(json.dumps(results[f"decode_profile_b{batch}_ctx{context}"], indent=1), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="gemv,profile")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_profile"))
+    parser.add_argument("--batch", type=int, default=1, help="running sequences in the profiled decode steps")
+    parser.add_argument("--context", type=int, default=128, help="prompt tokens of each profiled sequence")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("COMMIT", "unknown"),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    sections = {"gemv": gemv_section, "profile": profile_section}
+    sections = {"gemv": gemv_section,
+                "profile": lambda r: profile_section(r, batch=args.batch, context=args.context)}
     for name in args.only.split(","):
         try:
             sections[name](results)
