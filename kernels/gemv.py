@@ -59,16 +59,17 @@ def _gemv_kernel(
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-    # NOTE: with NORM every program reduces its rows' squares itself (a few KiB from L2), which
-    # costs less than a separate norm launch and keeps the sums in one fixed order.
-    rstd0 = _row_rstd(x_ptr, K, eps, BLOCK_K, NORM)
-    rstd1 = _row_rstd(x_ptr + stride_xm, K, eps, BLOCK_K, NORM and M > 1)
-    rstd2 = _row_rstd(x_ptr + 2 * stride_xm, K, eps, BLOCK_K, NORM and M > 2)
-    rstd3 = _row_rstd(x_ptr + 3 * stride_xm, K, eps, BLOCK_K, NORM and M > 3)
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # NOTE: rms_norm(x) * nw @ w.T == rstd * ((x * nw) @ w.T), rstd a scalar per row: the sums of
+    # squares ride along the main loop on the x chunks it loads anyway, and scale the sums at the end
+    # (a separate pass over x first would hold back the weight stream).
+    sq0 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    sq1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    sq2 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    sq3 = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         if EVEN_K:
@@ -81,54 +82,52 @@ def _gemv_kernel(
         else:
             nw = 1.0
         # x rows are tiny and stay in L1/L2; the weight is read exactly once.
-        acc0 += w * _load_x(x_ptr, k, K, GATED, NORM, rstd0, nw)[None, :]
+        x0 = _load_x(x_ptr, k, K, GATED)
+        sq0 += x0 * x0
+        acc0 += w * (x0 * nw)[None, :]
         if M > 1:
-            acc1 += w * _load_x(x_ptr + stride_xm, k, K, GATED, NORM, rstd1, nw)[None, :]
+            x1 = _load_x(x_ptr + stride_xm, k, K, GATED)
+            sq1 += x1 * x1
+            acc1 += w * (x1 * nw)[None, :]
         if M > 2:
-            acc2 += w * _load_x(x_ptr + 2 * stride_xm, k, K, GATED, NORM, rstd2, nw)[None, :]
+            x2 = _load_x(x_ptr + 2 * stride_xm, k, K, GATED)
+            sq2 += x2 * x2
+            acc2 += w * (x2 * nw)[None, :]
         if M > 3:
-            acc3 += w * _load_x(x_ptr + 3 * stride_xm, k, K, GATED, NORM, rstd3, nw)[None, :]
+            x3 = _load_x(x_ptr + 3 * stride_xm, k, K, GATED)
+            sq3 += x3 * x3
+            acc3 += w * (x3 * nw)[None, :]
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    _store_row(y_ptr, r_ptr, acc0, bias, offs_n, mask_n, RESIDUAL)
+    _store_row(y_ptr, r_ptr, acc0, sq0, K, eps, bias, offs_n, mask_n, NORM, RESIDUAL)
     if M > 1:
-        _store_row(y_ptr + stride_ym, r_ptr + stride_rm, acc1, bias, offs_n, mask_n, RESIDUAL)
+        _store_row(y_ptr + stride_ym, r_ptr + stride_rm, acc1, sq1, K, eps, bias, offs_n, mask_n, NORM, RESIDUAL)
     if M > 2:
-        _store_row(y_ptr + 2 * stride_ym, r_ptr + 2 * stride_rm, acc2, bias, offs_n, mask_n, RESIDUAL)
+        _store_row(y_ptr + 2 * stride_ym, r_ptr + 2 * stride_rm, acc2, sq2, K, eps, bias, offs_n, mask_n, NORM,
+                   RESIDUAL)
     if M > 3:
-        _store_row(y_ptr + 3 * stride_ym, r_ptr + 3 * stride_rm, acc3, bias, offs_n, mask_n, RESIDUAL)
+        _store_row(y_ptr + 3 * stride_ym, r_ptr + 3 * stride_rm, acc3, sq3, K, eps, bias, offs_n, mask_n, NORM,
+                   RESIDUAL)
 
 
 @triton.jit
-def _row_rstd(row_ptr, K, eps, BLOCK_K: tl.constexpr, ENABLED: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of one input row (1.0 when not ENABLED)."""
-    if not ENABLED:
-        return 1.0
-    offs = tl.arange(0, BLOCK_K)
-    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(row_ptr + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        squares += x * x
-    return 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
-
-
-@triton.jit
-def _load_x(row_ptr, k, K, GATED: tl.constexpr, NORM: tl.constexpr, rstd, nw):
-    """Elements k of one input row, in fp32: x, silu(gate) * up, or x * rstd * nw."""
+def _load_x(row_ptr, k, K, GATED: tl.constexpr):
+    """Elements k of one input row, in fp32: x itself, or silu(gate) * up."""
     if GATED:
         gate = tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)
         up = tl.load(row_ptr + K + k, mask=k < K, other=0.0).to(tl.float32)
         return gate * tl.sigmoid(gate) * up
-    x = tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-    if NORM:
-        x = x * rstd * nw
-    return x
+    return tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _store_row(y_row, r_row, acc, bias, offs_n, mask_n, RESIDUAL: tl.constexpr):
-    y = tl.sum(acc, axis=1) + bias
+def _store_row(y_row, r_row, acc, squares, K, eps, bias, offs_n, mask_n, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+    """One output row: the reduced sums (scaled by the row's rstd under NORM), + bias, + residual."""
+    y = tl.sum(acc, axis=1)
+    if NORM:
+        y = y / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+    y += bias
     if RESIDUAL:
         y += tl.load(r_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(y_row + offs_n, cast(y, y_row.dtype.element_ty), mask=mask_n)
