@@ -42,22 +42,6 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return best_chunk * _ARGMAX_CHUNK + within
 
 
-def to_host_list(t: torch.Tensor) -> list:
-    """`t.tolist()`, waiting for the device with the GIL released.
-
-    NOTE: `.tolist()` of a CUDA tensor blocks in the copy while holding the GIL, so the server's
-    event-loop thread (streaming the previous step's tokens) cannot run while the GPU computes this
-    step. A pinned copy and an event wait (which releases the GIL) let the two overlap."""
-    if t.device.type != "cuda":
-        return t.tolist()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    return host.tolist()
-
-
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
     """The per-request generator for `SamplingParams.seed` (None when unseeded)."""
     if seed is None:
@@ -315,7 +299,7 @@ class Sampler:
         top_logprobs: list[list[tuple[int, float]] | None] = [None] * n
         if batch.logprob_rows:
             self._logprobs(raw_logits, token_ids, batch, logprobs, top_logprobs)
-        return SamplerOutput(token_ids=to_host_list(token_ids), logprobs=logprobs, top_logprobs=top_logprobs)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)
 
     @staticmethod
     def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
