@@ -129,7 +129,7 @@ class FusedDecoderLayer(DecoderLayer):
 
     def _forward_gemv(self, hidden: torch.Tensor | None, residual: torch.Tensor | None, positions: torch.Tensor,
                       kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
-        """Four skinny matmuls carry the layer's element-wise work along (two launches fewer a layer):
+        """Four skinny matmuls carry the layer's element-wise work along (no norm or SiLU launches):
         qkv = norm(stream) Wqkv (+ b), stream += attn Wo, stream += silu_mul(norm(stream) Wgu) Wd."""
         if hidden is None:
             stream = residual  # [T, H], holding every earlier layer's output
