@@ -2,8 +2,8 @@
 
 A decode-only step of B sequences runs the graph of the smallest captured size >= B; the rows past
 B are padding (`StepInputs.prepare(pad_to=...)`). Each graph is captured over prefixes of the
-persistent input buffers and computes the logits of every row into its own output tensor, so a
-replay is: fill the buffers, `graph.replay()`, read `logits[:B]`. The graphs share one memory pool
+persistent input buffers and writes the logits of every row into a prefix of one shared buffer, so
+a replay is: fill the buffers, `graph.replay()`, read `logits[:B]`. The graphs share one memory pool
 (captured largest first, so the smaller ones reuse its blocks).
 
 The attention metadata captured with a graph is fixed: its host-side `max_seq_len` is the longest
@@ -41,7 +41,7 @@ class DecodeGraphs:
         self.sizes = sorted(sizes)
         self.max_batch_size = self.sizes[-1]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # batch size -> [size, vocab] float32
+        self.logits: dict[int, torch.Tensor] = {}  # batch size -> [size, vocab] float32 (what forward returned)
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
         pool = None
         for size in reversed(self.sizes):

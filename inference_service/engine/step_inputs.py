@@ -85,8 +85,6 @@ class StepInputs:
                 slots[lo:lo + n] = block_tables[i, pos // bs] * bs + pos % bs
             lo += n
         num_tokens = lo
-        seq_lens_cpu = seq_lens[:num_seqs].tolist()
-        max_seq_len = max(seq_lens_cpu)
         if pad_to is not None and pad_to > num_seqs:
             assert max_query_len == 1, "only decode-only steps are padded"
             slots[num_tokens:pad_to] = -1
@@ -95,15 +93,16 @@ class StepInputs:
             seq_lens[num_seqs:pad_to] = 0
             query_start_loc[num_seqs + 1:pad_to + 1] = np.arange(num_tokens + 1, pad_to + 1)
             num_seqs = num_tokens = pad_to
+        seq_lens_cpu = seq_lens[:num_seqs].tolist()
         metadata = AttentionMetadata(
             slot_mapping=self.slot_mapping.upload(num_tokens),
             query_start_loc=self.query_start_loc.upload(num_seqs + 1),
             seq_lens=self.seq_lens.upload(num_seqs),
             block_tables=self._upload_block_tables(num_seqs, max_num_blocks),
             max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
+            max_seq_len=max(seq_lens_cpu),  # padding rows are 0
             query_start_loc_cpu=query_start_loc[:num_seqs + 1].tolist(),
-            seq_lens_cpu=seq_lens[:num_seqs].tolist(),
+            seq_lens_cpu=seq_lens_cpu,
         )
         return self.input_ids.upload(num_tokens), self.positions.upload(num_tokens), metadata
 

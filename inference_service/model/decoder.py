@@ -153,9 +153,11 @@ class DecoderModel(nn.Module):
 
             layer_cls, norm_cls = fused_layers.FusedDecoderLayer, fused_layers.FusedRMSNorm
             self.rotary = fused_layers.TritonRotary(config, device)
+            self._project = fused_layers.skinny_linear
         else:
             layer_cls, norm_cls = DecoderLayer, RMSNorm
             self.rotary = RotaryEmbedding(config, device=device, dtype=dtype)
+            self._project = Linear.__call__  # (layer, x) -> layer(x)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Module()
         self.model.embed_tokens.weight = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
@@ -191,11 +193,7 @@ class DecoderModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
-        if self.fused_kernels:
-            from inference_service.model.fused_layers import skinny_linear  # noqa: PLC0415 - imported in __init__
-
-            return skinny_linear(self.lm_head, hidden).float()
-        return self.lm_head(hidden).float()
+        return self._project(self.lm_head, hidden).float()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of one layer's k_cache (and v_cache)."""
