@@ -25,8 +25,9 @@ DEVICE = "cuda"
 
 def make_engine(model: str | None, device: str, dtype: str, *, load_format: str = "auto", kv_mib: int | None = 2048,
                 gpu_fraction: float = 0.9, loaded=None, enforce_eager: bool = False, kv_cache_dtype: str = "auto",
-                **scheduler) -> LLMEngine:
+                async_scheduling: bool | None = None, **scheduler) -> LLMEngine:
     config = EngineConfig(model=model, device=device, dtype=dtype, load_format=load_format, enforce_eager=enforce_eager,
+                          async_scheduling=async_scheduling,
                           cache=CacheConfig(kv_cache_memory_mib=kv_mib, gpu_memory_fraction=gpu_fraction,
                                             kv_cache_dtype=kv_cache_dtype),
                           scheduler=SchedulerConfig(**scheduler))

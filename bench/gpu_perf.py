@@ -25,6 +25,7 @@ from gpu_common import CONFIGS, copy_bandwidth_gbs, free_device_memory, generate
 from gpu_common import weight_bytes_per_step
 
 from inference_service.engine.llm_engine import LLMEngine
+from inference_service.engine.model_runner import LaunchedStep
 from inference_service.engine.sampler import SamplingBatch
 from inference_service.engine.sampling_params import SamplingParams
 from inference_service.model.loader import load_model
@@ -52,15 +53,15 @@ def decode(loaded, results: dict, prompt_len: int = 128, new_tokens: int = 512) 
     roofline = bw * 1e9 / weight_bytes
     results["decode_roofline"] = {"copy_gbs": round(bw, 1), "weight_gb_per_step": round(weight_bytes / 1e9, 3),
                                   "roofline_tok_s": round(roofline, 1), "target_tok_s": 170}
-    for mode, eager in (("graphs", False), ("eager", True)):
-        engine = _engine(loaded, enforce_eager=eager)
+    for mode, eager, is_async in (("graphs", False, True), ("graphs_sync", False, False), ("eager", True, True)):
+        engine = _engine(loaded, enforce_eager=eager, async_scheduling=is_async)
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         generate(engine, [_random_prompt(32, 9)], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         engine.add_request(engine.input_processor.process("bench", _random_prompt(prompt_len, 0), params))
         sync()
         stamps = [time.perf_counter()]
         while engine.has_unfinished:
-            engine.step()  # the sampler's .tolist() syncs once per step
+            engine.step()
             stamps.append(time.perf_counter())
         tok_s = (new_tokens - 1) / (stamps[-1] - stamps[1])
         step_ms = sorted((b - a) * 1e3 for a, b in zip(stamps[1:], stamps[2:]))
@@ -91,18 +92,25 @@ class _Timer:
 
 
 def cpu_step(loaded, results: dict, steps: int = 40) -> None:
-    """Host-side cost of a decode step at 1 and 256 sequences. The model's GPU work is the graph
-    replay (asynchronous); what the host does besides is schedule, prepare inputs, build the sampling
-    batch and process outputs. `wait` is the time blocked in the sampler's single sync."""
-    engine = _engine(loaded, max_num_seqs=256)
+    """Host-side cost of a decode step at 1 and 256 sequences, with and without async scheduling.
+    The model's GPU work is the graph replay (asynchronous); what the host does besides is schedule,
+    prepare inputs, build the sampling batch, queue the sampling and process outputs. `wait_for_gpu`
+    is the time blocked waiting for a step's sampled ids."""
+    for is_async in (False, True):
+        _cpu_step(loaded, results, steps, is_async)
+
+
+def _cpu_step(loaded, results: dict, steps: int, is_async: bool) -> None:
+    engine = _engine(loaded, max_num_seqs=256, async_scheduling=is_async)
     runner = engine.model_runner
     timer = _Timer()
     engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
     runner.inputs.prepare = timer.wrap("prepare_inputs", runner.inputs.prepare)
     engine.update_from_output = timer.wrap("update_from_output", engine.update_from_output)
-    runner.sampler = timer.wrap("sample_incl_sync", runner.sampler)
-    original_build = SamplingBatch.build
+    runner.sampler.sample = timer.wrap("sample_launch", runner.sampler.sample)
+    original_build, original_result = SamplingBatch.build, LaunchedStep.result
     SamplingBatch.build = timer.wrap("sampling_batch_build", original_build)
+    LaunchedStep.result = timer.wrap("wait_for_gpu", original_result)
     try:
         for num_seqs in (1, 256):
             params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
@@ -119,15 +127,15 @@ def cpu_step(loaded, results: dict, steps: int = 40) -> None:
                 engine.step()
             wall = (time.perf_counter() - t0) / steps
             per_step = {k: round(v / steps * 1e3, 3) for k, v in timer.totals.items()}
-            host = sum(v for k, v in per_step.items() if k != "sample_incl_sync")
-            results[f"cpu_step_{num_seqs}"] = {"running_seqs": len(engine.scheduler.running),
-                                               "step_wall_ms": round(wall * 1e3, 3), "host_ms_excl_sampler": round(host, 3),
-                                               **per_step}
-            print(f"cpu step at {num_seqs}:", results[f"cpu_step_{num_seqs}"], flush=True)
+            host = sum(v for k, v in per_step.items() if k != "wait_for_gpu")
+            key = f"cpu_step_{num_seqs}{'_async' if is_async else ''}"
+            results[key] = {"running_seqs": len(engine.scheduler.running), "step_wall_ms": round(wall * 1e3, 3),
+                            "host_ms": round(host, 3), **per_step}
+            print(f"cpu step at {num_seqs} (async {is_async}):", results[key], flush=True)
             while engine.has_unfinished:
                 engine.step()
     finally:
-        SamplingBatch.build = original_build
+        SamplingBatch.build, LaunchedStep.result = original_build, original_result
     del engine
     free_device_memory()
 
@@ -191,14 +199,17 @@ def grpc_smol(results: dict, new_tokens: int = 512) -> None:
     from tests.grpc_client import start_engine
 
     log = os.path.join(tempfile.mkdtemp(), "engine.log")
-    engine = start_engine("--model", os.path.join(CONFIGS, "smollm2-135m"), "--load-format", "dummy", "--device",
-                          common.DEVICE, "--dtype", "bfloat16", "--kv-cache-memory", "4096", log_path=log)
-    try:
-        decode_throughput.stream_decode_rate(engine.target, 1, 16)  # warm up
-        rate, first = decode_throughput.stream_decode_rate(engine.target, 1, new_tokens)
-        rate16, _ = decode_throughput.stream_decode_rate(engine.target, 16, new_tokens)
-    finally:
-        engine.stop()
-    results["grpc_smollm2_bf16"] = {"batch1_decode_tok_s": round(rate, 1), "ttft_ms": round(first * 1e3, 1),
-                                    "concurrent16_tok_s": round(rate16, 1), "target_tok_s": 1000}
-    print("gRPC SmolLM2:", results["grpc_smollm2_bf16"], flush=True)
+    for flag in ("--async-scheduling", "--no-async-scheduling"):
+        engine = start_engine("--model", os.path.join(CONFIGS, "smollm2-135m"), "--load-format", "dummy", "--device",
+                              common.DEVICE, "--dtype", "bfloat16", "--kv-cache-memory", "4096", flag, log_path=log)
+        try:
+            decode_throughput.stream_decode_rate(engine.target, 1, 16)  # warm up
+            rates = [decode_throughput.stream_decode_rate(engine.target, 1, new_tokens) for _ in range(3)]
+            rate16, _ = decode_throughput.stream_decode_rate(engine.target, 16, new_tokens)
+        finally:
+            engine.stop()
+        key = "grpc_smollm2_bf16" + ("" if flag == "--async-scheduling" else "_sync")
+        results[key] = {"batch1_decode_tok_s": [round(r, 1) for r, _ in rates],
+                        "ttft_ms": [round(f * 1e3, 1) for _, f in rates], "concurrent16_tok_s": round(rate16, 1),
+                        "target_tok_s": 1000}
+        print(f"gRPC SmolLM2 ({flag}):", results[key], flush=True)

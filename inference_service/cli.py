@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no CUDA graphs on a GPU: run every decode step eagerly (slower; for debugging)")
     m.add_argument("--max-cuda-graph-batch-size", type=int, default=256,
                    help="largest decode batch captured as a CUDA graph (up to --max-num-seqs); larger run eagerly")
+    m.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each step before the previous one's tokens reach the host, so scheduling and "
+                        "output processing overlap the GPU (default: on with CUDA, off on the CPU)")
     m.add_argument("--max-model-len", type=int, default=None, help="context length; default: the model's")
     m.add_argument("--yarn-scaling-factor", type=float, default=None,
                    help="turn on YaRN rope scaling with this factor (extends the context by that much)")
@@ -82,6 +85,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         max_cuda_graph_batch_size=args.max_cuda_graph_batch_size,
+        async_scheduling=args.async_scheduling,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_mib=args.kv_cache_memory_mib,

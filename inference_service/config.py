@@ -67,6 +67,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton"
     enforce_eager: bool = False  # no CUDA graphs: every step launches its kernels one by one
     max_cuda_graph_batch_size: int = 256  # decode steps of more sequences run eagerly
+    # Schedule and launch step N+1 before waiting for step N; None = on for CUDA, off on the CPU
+    # (where the model runs in the calling thread, so nothing would overlap).
+    async_scheduling: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -118,6 +118,7 @@ class AsyncEngine:
                     deltas.append(CompletionDelta(arg.request_id, 0, [], "", finish_reason=FinishReason.ERROR, usage=usage, error=e))
             elif kind == "call":
                 fn, future = arg
+                deltas.extend(self.engine.drain())  # the model runs one step at a time
                 if future.set_running_or_notify_cancel():
                     try:
                         future.set_result(fn())

@@ -11,7 +11,7 @@ import torch
 from inference_service.config import EngineConfig
 from inference_service.engine.block_manager import BlockManager
 from inference_service.engine.input_processor import InputProcessor
-from inference_service.engine.model_runner import ModelRunner
+from inference_service.engine.model_runner import LaunchedStep, ModelRunner
 from inference_service.engine.output_processor import OutputProcessor
 from inference_service.engine.request import CompletionDelta, EngineRequest, Usage
 from inference_service.engine.scheduler import Scheduler, SchedulerOutput
@@ -37,6 +37,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+@dataclass(slots=True)
+class _InFlightStep:
+    sched_out: SchedulerOutput
+    launched: LaunchedStep
+    start_time: float
+    reads_history: bool  # a sampling sequence reads its output history (penalties, min_tokens)
+
+
 @dataclass
 class _RequestState:
     request: EngineRequest
@@ -48,7 +56,13 @@ class _RequestState:
 
 
 class LLMEngine:
-    """Continuous batching over one model: `step()` = schedule -> run -> update_from_output."""
+    """Continuous batching over one model: `step()` = schedule -> run -> update_from_output.
+
+    With async scheduling (on by default on a GPU) a step is launched and left in flight: the
+    next `step()` schedules and launches its successor first, feeding it the sampled ids on the
+    GPU, and only then waits for the step in flight and processes its outputs, so the host's work
+    overlaps the GPU's. A sequence that stops (EOS, stop string) computes one more token, dropped.
+    """
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, metrics: EngineMetrics | None = None):
         self.config = config
@@ -70,13 +84,16 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = metrics or EngineMetrics(self.loaded.model_name)
         self.requests: dict[str, _RequestState] = {}
+        self.is_async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
+                                    else config.async_scheduling)
+        self._in_flight: _InFlightStep | None = None
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         # A sequence may not outgrow the whole cache, or preempting it could never make room.
         self.max_seq_tokens = self.model_runner.max_seq_tokens
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._in_flight is not None
 
     def add_request(self, request: EngineRequest) -> None:
         """Queues a processed request as `params.n` sequences sharing its prompt's blocks."""
@@ -127,13 +144,32 @@ class LLMEngine:
         return deltas
 
     def step(self) -> list[CompletionDelta]:
+        """Schedules and launches a step; returns the deltas of the step(s) resolved meanwhile:
+        this one without async scheduling, else the one launched by the previous call."""
+        deltas = []
+        if self._in_flight is not None and self._in_flight.reads_history:
+            deltas = self.drain()  # penalties read every token: no step may be pending
         sched_out = self.scheduler.schedule()
-        if sched_out.is_empty:
+        launched = None
+        if not sched_out.is_empty:
+            start = time.perf_counter()
+            step_handle = self.model_runner.launch(sched_out.scheduled, self._in_flight and self._in_flight.launched)
+            reads_history = any(s.is_sampling and s.seq.params.needs_output_history for s in sched_out.scheduled)
+            launched = _InFlightStep(sched_out, step_handle, start, reads_history)
+        deltas += self.drain()
+        self._in_flight = launched
+        if not self.is_async_scheduling:
+            deltas += self.drain()
+        return deltas
+
+    def drain(self) -> list[CompletionDelta]:
+        """Waits for the step in flight, if any, and returns its deltas."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
             return []
-        start = time.perf_counter()
-        sampled = self.model_runner.run(sched_out.scheduled)
-        self.metrics.on_step(sched_out, time.perf_counter() - start)
-        return self.update_from_output(sched_out, sampled)
+        sampled = in_flight.launched.result()
+        self.metrics.on_step(in_flight.sched_out, time.perf_counter() - in_flight.start_time)
+        return self.update_from_output(in_flight.sched_out, sampled)
 
     def update_from_output(self, sched_out: SchedulerOutput, sampled: dict) -> list[CompletionDelta]:
         token_ids = {seq_id: s.token_id for seq_id, s in sampled.items()}

@@ -11,9 +11,10 @@ from inference_service.attention.metadata import AttentionMetadata
 from inference_service.config import EngineConfig
 from inference_service.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from inference_service.engine.kv_cache import KVCacheSpec, allocate_kv_caches, profile_activation_bytes
-from inference_service.engine.sampler import Sampler, SamplingBatch
+from inference_service.engine.sampler import PendingSample, Sampler, SamplingBatch
 from inference_service.engine.scheduler import ScheduledSeq
-from inference_service.engine.step_inputs import StepInputs
+from inference_service.engine.step_inputs import PendingTokenIds, StepInputs
+from inference_service.engine.transfer import to_device
 from inference_service.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,27 @@ class SampledToken:
     token_id: int
     logprob: float | None
     top_logprobs: list[tuple[int, float]] | None
+
+
+class LaunchedStep:
+    """A step queued on the device: its sampled ids are on the GPU at once and on the host after
+    `result()`."""
+
+    def __init__(self, sampling_seq_ids: list[int], sample: PendingSample | None):
+        self._sampling_seq_ids = sampling_seq_ids
+        self._sample = sample
+        self.pending = None if sample is None else PendingTokenIds(
+            sample.token_ids, {seq_id: j for j, seq_id in enumerate(sampling_seq_ids)})
+
+    def result(self) -> dict[int, SampledToken]:
+        """Waits for the step's sampled ids; returns the sampled token of each sampling sequence."""
+        if self._sample is None:
+            return {}
+        out = self._sample.result()
+        return {
+            seq_id: SampledToken(out.token_ids[j], out.logprobs[j], out.top_logprobs[j])
+            for j, seq_id in enumerate(self._sampling_seq_ids)
+        }
 
 
 class ModelRunner:
@@ -61,28 +83,34 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self._forward_into_graph_logits, self.inputs, capture_sizes(graph_batch),
                                        self.max_seq_tokens, device)
 
-    @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> dict[int, SampledToken]:
         """Computes one step; returns the sampled token of every sequence that samples, by seq_id."""
+        return self.launch(scheduled).result()
+
+    @torch.inference_mode()
+    def launch(self, scheduled: list[ScheduledSeq], in_flight: LaunchedStep | None = None) -> LaunchedStep:
+        """Queues one step on the device without waiting for it, nor for `in_flight`, the step
+        before it, whose sampled ids feed this step's pending tokens on the GPU."""
         num_seqs = len(scheduled)
         padded = self._graph_size(scheduled)
-        input_ids, positions, metadata = self.inputs.prepare(scheduled, pad_to=padded)
+        pending = None if in_flight is None else in_flight.pending
+        input_ids, positions, metadata = self.inputs.prepare(scheduled, pad_to=padded, pending=pending)
         rows = [i for i, s in enumerate(scheduled) if s.is_sampling]
         if padded is not None:
             logits = self.graphs.replay(padded)[:num_seqs]  # [S, vocab], one row a sequence
             if not rows:
-                return {}
+                return LaunchedStep([], None)
             if len(rows) < num_seqs:  # a one-token prefill chunk short of its prompt's end
-                logits = logits[torch.tensor(rows, device=self.device)]
+                logits = logits[to_device(rows, torch.long, self.device)]
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
             if not rows:
-                return {}
+                return LaunchedStep([], None)
             if len(rows) == num_seqs == hidden.shape[0]:
                 last_hidden = hidden  # one token a sequence, and every one samples
             else:
                 last_rows = [metadata.query_start_loc_cpu[i + 1] - 1 for i in rows]
-                last_hidden = hidden[torch.tensor(last_rows, device=self.device)]
+                last_hidden = hidden[to_device(last_rows, torch.long, self.device)]
             logits = self.model.compute_logits(last_hidden)  # [num_sampling, vocab]
         seqs = [scheduled[i].seq for i in rows]
         histories = [_token_history(seq) for seq in seqs]
@@ -94,11 +122,7 @@ class ModelRunner:
             device=self.device,
             eos_token_ids=[seq.eos_token_ids for seq in seqs],
         )
-        out = self.sampler(logits, batch)
-        return {
-            seq.seq_id: SampledToken(out.token_ids[j], out.logprobs[j], out.top_logprobs[j])
-            for j, seq in enumerate(seqs)
-        }
+        return LaunchedStep([seq.seq_id for seq in seqs], self.sampler.sample(logits, batch))
 
     def _graph_size(self, scheduled: list[ScheduledSeq]) -> int | None:
         """The captured batch size this step replays at, or None to run it eagerly."""
@@ -122,8 +146,10 @@ def _token_history(seq) -> tuple[list[int], list[int]]:
     NOTE: slicing a long prompt every step for every row is the hot path's largest Python cost, and
     only penalties and min_tokens look at the history; other rows get empty lists."""
     p = seq.params
+    if not p.needs_output_history:
+        return [], []
+    # The only pending token may be the one this step samples: the step before must be resolved.
+    assert seq.num_pending_tokens == 1, f"sequence {seq.seq_id} samples from an incomplete history"
     if p.repetition_penalty != 1.0:
         return seq.prompt_token_ids, seq.output_token_ids
-    if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.min_tokens > 0:
-        return [], seq.output_token_ids
-    return [], []
+    return [], seq.output_token_ids

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from inference_service.engine.sampling_params import SamplingParams
+from inference_service.engine.transfer import HostCopy, to_device
 
 # Exponential noise of exactly 0 would divide by zero; any tiny positive floor is unbiased enough.
 _MIN_NOISE = 1e-20
@@ -55,8 +56,7 @@ def _flatten(rows: list[int], lists: list[Sequence[int]], device) -> tuple[torch
     """(row index [M], token id [M]) int64 tensors listing `lists[j]` for row `rows[j]`."""
     row_ids = [row for row, ids in zip(rows, lists) for _ in range(len(ids))]
     token_ids = [t for ids in lists for t in ids]
-    return (torch.tensor(row_ids, dtype=torch.long, device=device),
-            torch.tensor(token_ids, dtype=torch.long, device=device))
+    return to_device(row_ids, torch.long, device), to_device(token_ids, torch.long, device)
 
 
 @dataclass
@@ -79,6 +79,7 @@ class SamplingBatch:
     # --- sampled rows only, indexed like `sampled_rows` ---
     temperature: torch.Tensor | None  # [S, 1] f32
     top_k: torch.Tensor | None  # [S] int64, 0 = off; None when no sampled row uses top-k
+    max_top_k: int  # the largest top_k of a sampled row (0 when none)
     top_p: torch.Tensor | None  # [S] f32; None when all are 1
     min_p: torch.Tensor | None  # [S] f32; None when all are 0
     generators: list[torch.Generator | None]  # [S]
@@ -133,30 +134,31 @@ class SamplingBatch:
 
         bias = None
         if bias_rows:
-            bias = (torch.tensor(bias_rows, dtype=torch.long, device=device),
-                    torch.tensor(bias_ids, dtype=torch.long, device=device),
-                    torch.tensor(bias_vals, dtype=torch.float32, device=device))
+            bias = (to_device(bias_rows, torch.long, device), to_device(bias_ids, torch.long, device),
+                    to_device(bias_vals, torch.float32, device))
         min_tokens_mask = _flatten(mask_rows, mask_lists, device) if mask_rows else None
         repetition = None
         if rep_rows:
-            penalty = torch.tensor([[p.repetition_penalty] for p in params], dtype=torch.float32, device=device)
+            penalty = to_device([[p.repetition_penalty] for p in params], torch.float32, device)
             repetition = (penalty, *_flatten(rep_rows, rep_lists, device))
         freq_presence = None
         if fp_rows:
-            freq = torch.tensor([[p.frequency_penalty] for p in params], dtype=torch.float32, device=device)
-            pres = torch.tensor([[p.presence_penalty] for p in params], dtype=torch.float32, device=device)
+            freq = to_device([[p.frequency_penalty] for p in params], torch.float32, device)
+            pres = to_device([[p.presence_penalty] for p in params], torch.float32, device)
             freq_presence = (freq, pres, *_flatten(fp_rows, fp_lists, device))
 
         temperature = top_k = top_p = min_p = None
+        max_top_k = 0
         if sampled:
             sp = [params[i] for i in sampled]
-            temperature = torch.tensor([[p.temperature] for p in sp], dtype=torch.float32, device=device)
-            if any(p.top_k > 0 for p in sp):
-                top_k = torch.tensor([p.top_k for p in sp], dtype=torch.long, device=device)
+            temperature = to_device([[p.temperature] for p in sp], torch.float32, device)
+            max_top_k = max(p.top_k for p in sp)
+            if max_top_k > 0:
+                top_k = to_device([p.top_k for p in sp], torch.long, device)
             if any(p.top_p < 1.0 for p in sp):
-                top_p = torch.tensor([p.top_p for p in sp], dtype=torch.float32, device=device)
+                top_p = to_device([p.top_p for p in sp], torch.float32, device)
             if any(p.min_p > 0.0 for p in sp):
-                min_p = torch.tensor([p.min_p for p in sp], dtype=torch.float32, device=device)
+                min_p = to_device([p.min_p for p in sp], torch.float32, device)
 
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs]
         return cls(
@@ -169,6 +171,7 @@ class SamplingBatch:
             freq_presence=freq_presence,
             temperature=temperature,
             top_k=top_k,
+            max_top_k=max_top_k,
             top_p=top_p,
             min_p=min_p,
             generators=[generators[i] for i in sampled],
@@ -190,6 +193,31 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]  # most likely first
+
+
+class PendingSample:
+    """A step's sampled tokens as device tensors, on their way to the host.
+
+    `token_ids` can feed the next step on the GPU before `result()` has them on the host."""
+
+    def __init__(self, token_ids: torch.Tensor, batch: SamplingBatch, chosen_logprobs: torch.Tensor | None = None,
+                 top_values: torch.Tensor | None = None, top_ids: torch.Tensor | None = None):
+        self.token_ids = token_ids  # [N] int64
+        self._batch = batch
+        # chosen [R], top values and ids [R, K] for the R rows that asked for logprobs
+        self._copy = HostCopy([token_ids, chosen_logprobs, top_values, top_ids])
+
+    def result(self) -> SamplerOutput:
+        """Waits for the copies to the host (not for later GPU work) and returns the lists."""
+        token_ids, chosen, top_values, top_ids = self._copy.wait()
+        n, batch = len(token_ids), self._batch
+        logprobs: list[float | None] = [None] * n
+        top_logprobs: list[list[tuple[int, float]] | None] = [None] * n
+        for j, row in enumerate(batch.logprob_rows):
+            logprobs[row] = chosen[j]
+            k = batch.num_top_logprobs[j]
+            top_logprobs[row] = list(zip(top_ids[j][:k], top_values[j][:k])) if k else []
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_logprobs)
 
 
 def apply_penalties_and_masks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -220,12 +248,14 @@ def apply_penalties_and_masks(logits: torch.Tensor, batch: SamplingBatch) -> tor
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                            min_p: torch.Tensor | None) -> torch.Tensor:
+                            min_p: torch.Tensor | None, max_top_k: int | None = None) -> torch.Tensor:
     """Sets the logits of tokens that top-k, then top-p, then min-p exclude to -inf.
 
     logits: [S, V] float32, already divided by temperature. top_k [S] (0 = off), top_p [S],
-    min_p [S]; a None argument skips that filter. Returns the masked logits (a new tensor).
-    Each filter becomes a per-row threshold, so tokens tied with the last survivor survive too.
+    min_p [S]; a None argument skips that filter. `max_top_k` is top_k's maximum when the caller
+    knows it (reading it from a GPU tensor waits for the GPU). Returns the masked logits (a new
+    tensor). Each filter becomes a per-row threshold, so tokens tied with the last survivor
+    survive too.
     """
     neg_inf = float("-inf")
     num_rows, vocab_size = logits.shape
@@ -233,7 +263,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None, to
         # NOTE: topk of the largest k asked for instead of a full sort: a sort of [S, V] costs
         # far more than the model's last layer on CPU.
         k = top_k.clamp(max=vocab_size)  # [S], 0 = off
-        k_max = int(k.max())
+        k_max = min(max_top_k, vocab_size) if max_top_k is not None else int(k.max())
         if k_max > 0:
             top_values = logits.topk(k_max, dim=-1).values  # [S, k_max], descending
             kth = top_values.gather(1, (k - 1).clamp(min=0).unsqueeze(1))  # [S, 1]
@@ -243,6 +273,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None, to
         return logits
     probs = logits.softmax(dim=-1)  # [S, V], top-k survivors renormalized
     if top_p is not None:
+        # NOTE: whether a row's cutoff lies past the candidates is read on the host, which waits
+        # for the GPU: a step with top-p rows does not overlap the next one's scheduling.
         cutoff = _top_p_cutoff(probs, top_p, min(vocab_size, _TOP_P_CANDIDATES))
         missing = torch.isnan(cutoff).squeeze(1)  # [S] rows whose cutoff lies deeper
         if bool(missing.any()):
@@ -277,12 +309,16 @@ def _top_p_cutoff(probs: torch.Tensor, top_p: torch.Tensor, num_candidates: int)
 class Sampler:
     """`Sampler()(logits [N, V] float32, batch) -> SamplerOutput`. Never modifies `logits`.
 
+    `sample()` is the same without waiting: it queues the work and returns a `PendingSample`.
     A row with its own `torch.Generator` draws only from it (one [V] exponential-noise vector
     per step), so a seeded request gives the same tokens whatever else is in the batch. Rows
     without one share torch's default generator.
     """
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        return self.sample(logits, batch).result()
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> PendingSample:
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, logits.shape
         raw_logits = logits  # [N, V]
         if batch.needs_processing:
@@ -291,24 +327,20 @@ class Sampler:
         token_ids = argmax_rows(logits)  # [N]
         if not batch.all_greedy:
             sampled = self._sample(logits, batch)  # [S]
-            rows = torch.tensor(batch.sampled_rows, dtype=torch.long, device=logits.device)
+            rows = to_device(batch.sampled_rows, torch.long, logits.device)
             token_ids = token_ids.index_copy(0, rows, sampled)
-
-        n = batch.num_rows
-        logprobs: list[float | None] = [None] * n
-        top_logprobs: list[list[tuple[int, float]] | None] = [None] * n
-        if batch.logprob_rows:
-            self._logprobs(raw_logits, token_ids, batch, logprobs, top_logprobs)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)
+        if not batch.logprob_rows:
+            return PendingSample(token_ids, batch)
+        return PendingSample(token_ids, batch, *self._logprobs(raw_logits, token_ids, batch))
 
     @staticmethod
     def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Draws one token per sampled row; returns [S] int64."""
         if len(batch.sampled_rows) < batch.num_rows:
             # NOTE: advanced indexing; index_select along rows is an order of magnitude slower on CPU.
-            logits = logits[torch.tensor(batch.sampled_rows, dtype=torch.long, device=logits.device)]
+            logits = logits[to_device(batch.sampled_rows, torch.long, logits.device)]
         scaled = logits / batch.temperature  # [S, V]
-        scaled = apply_top_k_top_p_min_p(scaled, batch.top_k, batch.top_p, batch.min_p)
+        scaled = apply_top_k_top_p_min_p(scaled, batch.top_k, batch.top_p, batch.min_p, batch.max_top_k)
         probs = scaled.softmax(dim=-1)  # [S, V]
         # argmax(p / q) with q ~ Exp(1) picks token i with probability p_i (exponential race).
         # NOTE: -log(1 - U) is Exp(1) and is several times faster than exponential_() on CPU.
@@ -321,26 +353,23 @@ class Sampler:
                 if generator is not None:
                     uniform[j].uniform_(generator=generator)
             if unseeded:
-                idx = torch.tensor(unseeded, dtype=torch.long, device=logits.device)
+                idx = to_device(unseeded, torch.long, logits.device)
                 uniform[idx] = torch.rand(len(unseeded), probs.shape[1], device=probs.device)
         noise = torch.log1p(uniform.neg_()).neg_().clamp_min_(_MIN_NOISE)  # [S, V] ~ Exp(1)
         return argmax_rows(probs / noise)
 
     @staticmethod
-    def _logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch,
-                  logprobs: list, top_logprobs: list) -> None:
-        """Fills logprobs of the chosen tokens and top alternatives from the raw logits."""
-        rows = torch.tensor(batch.logprob_rows, dtype=torch.long, device=raw_logits.device)
+    def _logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Logprobs of the chosen tokens [R] and the top alternatives' values and ids [R, K]
+        (None when no row asked for alternatives), from the raw logits of the R rows that asked."""
         if len(batch.logprob_rows) < batch.num_rows:
+            rows = to_device(batch.logprob_rows, torch.long, raw_logits.device)
             raw_logits, token_ids = raw_logits[rows], token_ids[rows]
         log_probs = raw_logits.float().log_softmax(dim=-1)  # [R, V]
         chosen = log_probs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [R]
         max_top = max(batch.num_top_logprobs)
-        top_vals = top_ids = None
-        if max_top > 0:
-            top_vals, top_ids = log_probs.topk(min(max_top, log_probs.shape[1]), dim=-1)  # [R, K] each, most likely first
-            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        for j, (row, value) in enumerate(zip(batch.logprob_rows, chosen.tolist())):
-            logprobs[row] = value
-            k = batch.num_top_logprobs[j]
-            top_logprobs[row] = list(zip(top_ids[j][:k], top_vals[j][:k])) if k else []
+        if max_top == 0:
+            return chosen, None, None
+        top_values, top_ids = log_probs.topk(min(max_top, log_probs.shape[1]), dim=-1)  # most likely first
+        return chosen, top_values, top_ids

@@ -13,6 +13,7 @@ from inference_service.engine.sequence import FinishReason, Sequence, SequenceSt
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
+    start: int  # position of the first token computed in the step (num_computed_tokens before it)
     num_new_tokens: int  # tokens computed for this sequence in the step
     is_sampling: bool  # the step computes its last token, so it samples the next one
 
@@ -38,6 +39,12 @@ class Scheduler:
     When blocks run out, the most recently arrived running sequence is preempted by recompute:
     its blocks are freed (they stay in the prefix cache) and it goes back to the front of the
     waiting queue, to be prefilled again over its prompt and output so far.
+
+    Scheduling a step advances `num_computed_tokens` and counts the token a sampling sequence
+    will get as pending, so the next step can be scheduled before this one's ids are known
+    (async scheduling); `update_from_output` appends them. Invariant: at most one step's tokens
+    are pending at a schedule, and a sequence preempted with a pending token is not readmitted
+    before its update (no admission follows a preemption in the same schedule).
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
@@ -64,6 +71,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if len(seq.token_ids) + seq.num_pending_tokens >= seq.max_total_tokens:
+                i += 1  # its pending token ends it (length): nothing left to compute
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget, chunk)
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()
@@ -96,9 +106,14 @@ class Scheduler:
         return out
 
     def _add_scheduled(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
-        num_computed_after = seq.num_computed_tokens + num_new
-        self.block_manager.commit_full_blocks(seq, num_computed_after)
-        out.scheduled.append(ScheduledSeq(seq, num_new, num_computed_after == len(seq.token_ids)))
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens = start + num_new
+        # Blocks holding a pending token are hashed at a later step, once its id is known.
+        self.block_manager.commit_full_blocks(seq, seq.num_computed_tokens)
+        is_sampling = seq.num_uncomputed_tokens == 0
+        if is_sampling:
+            seq.num_pending_tokens += 1
+        out.scheduled.append(ScheduledSeq(seq, start, num_new, is_sampling))
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -108,19 +123,18 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Advances the scheduled sequences by the step's results.
+        """Appends the step's sampled tokens to their sequences.
 
         `sampled` maps `seq_id` to the token sampled for it. Returns the sequences that received
-        a token (finished ones included, with their finish reason set and blocks freed).
+        a token (finished ones included, with their finish reason set and blocks freed); a
+        sequence preempted since the step was scheduled gets its token too.
         """
         advanced: list[Sequence] = []
         for s in out.scheduled:
             seq = s.seq
-            if seq.is_finished:  # aborted while the step ran
+            if not s.is_sampling or seq.is_finished:  # finished: aborted or stopped while the step ran
                 continue
-            seq.num_computed_tokens += s.num_new_tokens
-            if not s.is_sampling:
-                continue
+            seq.num_pending_tokens -= 1
             seq.append_token(sampled[seq.seq_id])
             advanced.append(seq)
             if seq.check_finished():

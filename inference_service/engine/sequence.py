@@ -31,11 +31,13 @@ _seq_counter = itertools.count()
 class Sequence:
     """The tokens of one completion (prompt + output) and where its KV cache lives.
 
-    `num_computed_tokens` counts tokens whose K/V are in the cache. A sequence is caught up when
-    every token but the newest sampled one is computed; a step that computes its last token
-    samples the next one::
+    `num_computed_tokens` counts tokens whose K/V are in the cache or being written by a
+    scheduled step. A sequence is caught up when every token but the newest sampled one is
+    computed; a step that computes its last token samples the next one. A sampled token is
+    pending from the step's scheduling until its id reaches the host (with async scheduling, the
+    next step is scheduled before that, and computes the pending token from the id on the GPU)::
 
-        token_ids:  [ prompt ............ | output ...... ]
+        token_ids:  [ prompt ............ | output ...... ] + num_pending_tokens
                     [ computed (KV in cache) ....... | to compute ]
                                                      ^ num_computed_tokens
     """
@@ -58,6 +60,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
     num_preemptions: int = 0
+    num_pending_tokens: int = 0  # sampled by a scheduled step, id not yet appended to token_ids
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -76,7 +79,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -8,9 +8,17 @@ device buffer and nothing is copied.
 
 A decode step padded to a captured batch size fills its padding rows with slot -1 (nothing is
 written to the cache) and seq_len 0 (the decode kernel returns zeros for them).
+
+With async scheduling a decode row's token may still be pending: sampled by the step in flight,
+its id only on the GPU. Such rows are filled on the device from that step's sampled ids (one
+gather), so preparing a step never waits for the one before it. The host buffers are rewritten
+only once the previous step's copies out of them have run (an event), which is at once: that
+step's predecessor has been synchronised with already.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,6 +44,14 @@ class _Buffer:
         return self.device[:n]
 
 
+@dataclass(slots=True)
+class PendingTokenIds:
+    """The sampled ids of the step in flight, still on the device."""
+
+    token_ids: torch.Tensor  # [num_sampling] int64 on the device
+    row_of_seq: dict[int, int]  # seq_id -> its row in token_ids
+
+
 class StepInputs:
     """Fills the persistent input buffers from a scheduled step.
 
@@ -52,20 +68,29 @@ class StepInputs:
         self.query_start_loc = _Buffer((max_num_seqs + 1,), torch.int32, device)
         self.seq_lens = _Buffer((max_num_seqs,), torch.int32, device)
         self.block_tables = _Buffer((max_num_seqs, max_blocks_per_seq), torch.int32, device)
+        # Rows whose token is pending, and where in the pending ids each one's token is.
+        self.pending_rows = _Buffer((max_num_seqs,), torch.int64, device)
+        self.pending_sources = _Buffer((max_num_seqs,), torch.int64, device)
+        self._copied: torch.cuda.Event | None = None  # recorded after the last step's uploads
 
-    def prepare(self, scheduled: list[ScheduledSeq], pad_to: int | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(self, scheduled: list[ScheduledSeq], pad_to: int | None = None,
+                pending: PendingTokenIds | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids [T], positions [T], metadata) for the step, T = its number of tokens.
 
-        `pad_to` (decode-only steps) pads the batch to that many one-token sequences."""
+        `pad_to` (decode-only steps) pads the batch to that many one-token sequences. `pending`
+        holds the ids of tokens not yet on the host (decode rows of sequences sampled by the step
+        in flight)."""
+        if self._copied is not None:
+            self._copied.synchronize()
         bs = self.block_size
         num_seqs = len(scheduled)
         input_ids, positions, slots = self.input_ids.np, self.positions.np, self.slot_mapping.np
         query_start_loc, seq_lens, block_tables = self.query_start_loc.np, self.seq_lens.np, self.block_tables.np
         query_start_loc[0] = 0
-        lo = max_query_len = max_num_blocks = 0
+        pending_rows, pending_sources = self.pending_rows.np, self.pending_sources.np
+        lo = max_query_len = max_num_blocks = num_pending = 0
         for i, s in enumerate(scheduled):
-            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            seq, start, n = s.seq, s.start, s.num_new_tokens
             end = start + n
             block_table = seq.block_table
             num_blocks = len(block_table)
@@ -74,7 +99,13 @@ class StepInputs:
             seq_lens[i] = end
             query_start_loc[i + 1] = lo + n
             max_query_len = max(max_query_len, n)
-            if n == 1:  # decode: skip the numpy temporaries
+            if start == len(seq.token_ids):  # decode of a pending token
+                pending_rows[num_pending] = lo
+                pending_sources[num_pending] = pending.row_of_seq[seq.seq_id]
+                num_pending += 1
+                positions[lo] = start
+                slots[lo] = block_table[start // bs] * bs + start % bs
+            elif n == 1:  # decode: skip the numpy temporaries
                 input_ids[lo] = seq.token_ids[start]
                 positions[lo] = start
                 slots[lo] = block_table[start // bs] * bs + start % bs
@@ -93,6 +124,10 @@ class StepInputs:
             seq_lens[num_seqs:pad_to] = 0
             query_start_loc[num_seqs + 1:pad_to + 1] = np.arange(num_tokens + 1, pad_to + 1)
             num_seqs = num_tokens = pad_to
+        device_input_ids = self.input_ids.upload(num_tokens)
+        if num_pending:
+            rows, sources = self.pending_rows.upload(num_pending), self.pending_sources.upload(num_pending)
+            device_input_ids.index_copy_(0, rows, pending.token_ids.index_select(0, sources))
         seq_lens_cpu = seq_lens[:num_seqs].tolist()
         metadata = AttentionMetadata(
             slot_mapping=self.slot_mapping.upload(num_tokens),
@@ -104,7 +139,11 @@ class StepInputs:
             query_start_loc_cpu=query_start_loc[:num_seqs + 1].tolist(),
             seq_lens_cpu=seq_lens_cpu,
         )
-        return self.input_ids.upload(num_tokens), self.positions.upload(num_tokens), metadata
+        device_positions = self.positions.upload(num_tokens)
+        if self.input_ids.is_copied:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return device_input_ids, device_positions, metadata
 
     def _upload_block_tables(self, num_seqs: int, num_blocks: int) -> torch.Tensor:
         """[num_seqs, width] int32. On a GPU every column is copied (graphs read the full width);

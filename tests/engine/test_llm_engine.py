@@ -37,19 +37,20 @@ def loaded():
     return load_model(None)
 
 
-def make_engine(loaded, num_blocks_mib: int = 64, **scheduler) -> LLMEngine:
+def make_engine(loaded, num_blocks_mib: int = 64, async_scheduling: bool = False, **scheduler) -> LLMEngine:
     config = EngineConfig(cache=CacheConfig(kv_cache_memory_mib=num_blocks_mib),
-                          scheduler=SchedulerConfig(**scheduler))
+                          scheduler=SchedulerConfig(**scheduler), async_scheduling=async_scheduling)
     return LLMEngine(config, loaded=loaded, metrics=EngineMetrics("test", registry=CollectorRegistry()))
 
 
-def run(engine: LLMEngine, prompts: list[str], params: SamplingParams) -> dict[str, dict]:
-    """Adds every prompt at once and steps until all finish; returns tokens/text/usage by id."""
+def run(engine: LLMEngine, prompts: list[str], params: SamplingParams | list[SamplingParams]) -> dict[str, dict]:
+    """Adds every prompt at once (with its own params if given a list) and steps until all
+    finish; returns tokens/text/finish/usage/logprobs by id."""
     results: dict[str, dict] = {}
     for i, text in enumerate(prompts):
-        request = engine.input_processor.process(f"r{i}", text, params)
+        request = engine.input_processor.process(f"r{i}", text, params[i] if isinstance(params, list) else params)
         engine.add_request(request)
-        results[f"r{i}"] = {"tokens": {}, "text": {}, "finish": {}, "usage": None}
+        results[f"r{i}"] = {"tokens": {}, "text": {}, "finish": {}, "usage": None, "logprobs": {}}
     while engine.has_unfinished:
         for d in engine.step():
             r = results[d.request_id]
@@ -59,6 +60,8 @@ def run(engine: LLMEngine, prompts: list[str], params: SamplingParams) -> dict[s
                 r["finish"][d.index] = d.finish_reason
             if d.usage is not None:
                 r["usage"] = d.usage
+            if d.logprobs:
+                r["logprobs"].setdefault(d.index, []).extend(d.logprobs)
     return results
 
 
@@ -79,12 +82,13 @@ def test_sixteen_concurrent_equal_each_alone(loaded):
     assert_all_blocks_free(engine)
 
 
-def test_preemption_gives_the_same_greedy_output(loaded):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_gives_the_same_greedy_output(loaded, async_scheduling):
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     prompts = PROMPTS[:8]
     reference = run(make_engine(loaded), prompts, params)
     # 6 MiB of KV cache = 8 blocks of 16 tokens (720 KiB each): 8 sequences of ~60 tokens need 32.
-    small = make_engine(loaded, num_blocks_mib=6)
+    small = make_engine(loaded, num_blocks_mib=6, async_scheduling=async_scheduling)
     assert small.block_manager.num_blocks == 8
     preempted = run(small, prompts, params)
     assert small.scheduler.num_preemptions > 0
@@ -120,8 +124,9 @@ def test_n_completions_share_prompt_blocks(loaded):
     assert_all_blocks_free(engine)
 
 
-def test_stop_string_spanning_tokens_is_not_emitted(loaded):
-    engine = make_engine(loaded)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_string_spanning_tokens_is_not_emitted(loaded, async_scheduling):
+    engine = make_engine(loaded, async_scheduling=async_scheduling)
     base = run(engine, ["1, 2, 3, 4,"], SamplingParams(temperature=0.0, max_tokens=12))["r0"]
     text = base["text"][0]
     stop = text[text.index("6") - 1 : text.index("6") + 3]  # e.g. " 6, " spans several tokens
@@ -137,3 +142,45 @@ def test_seeded_sampling_is_batch_independent(loaded):
     alone = run(engine, [PROMPTS[0]], seeded)["r0"]["tokens"][0]
     mixed = run(engine, [PROMPTS[1], PROMPTS[0], PROMPTS[2]], seeded)["r1"]["tokens"][0]
     assert alone == mixed
+
+
+def test_async_scheduling_gives_the_same_outputs(loaded):
+    """Every stop rule, sampling option and penalty (which makes the engine wait for the step in
+    flight) in one batch, with chunked prefill: the same tokens, text, logprobs and usage."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    base = run(make_engine(loaded), ["1, 2, 3, 4,", PROMPTS[13]], greedy)
+    text, stop_token = base["r0"]["text"][0], base["r1"]["tokens"][0][4]
+    mixed = [
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_token]),  # ends like EOS
+        SamplingParams(temperature=0.0, max_tokens=12, stop=[text[text.index("6"):text.index("6") + 2]]),
+        SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.3, min_tokens=3),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=10, logprobs=True, top_logprobs=2),
+        SamplingParams(temperature=0.7, seed=5, n=2, max_tokens=8, top_k=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=1),
+    ]
+    prompts = [PROMPTS[13], "1, 2, 3, 4,", PROMPTS[6], PROMPTS[0], PROMPTS[14], PROMPTS[3]]
+    kwargs = {"max_num_batched_tokens": 32, "max_prefill_chunk": 24, "max_num_seqs": 8}
+    reference = run(make_engine(loaded, **kwargs), prompts, mixed)
+    engine = make_engine(loaded, async_scheduling=True, **kwargs)
+    assert run(engine, prompts, mixed) == reference
+    assert reference["r0"]["tokens"][0][-1] == stop_token and reference["r0"]["finish"][0] == FinishReason.STOP
+    assert reference["r1"]["finish"][0] == FinishReason.STOP
+    assert not engine.has_unfinished
+    assert_all_blocks_free(engine)
+
+
+def test_async_abort_while_a_step_is_in_flight(loaded):
+    engine = make_engine(loaded, async_scheduling=True)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    for rid in ("a", "b"):
+        engine.add_request(engine.input_processor.process(rid, PROMPTS[0], params))
+    assert engine.step() == []  # the prefill is launched, its tokens not yet processed
+    first = engine.step()
+    assert [(d.request_id, len(d.token_ids)) for d in first] == [("a", 1), ("b", 1)]
+    [final] = engine.abort_request("a")
+    assert final.finish_reason == FinishReason.ABORT and final.usage.completion_tokens == 1
+    later = []
+    while engine.has_unfinished:
+        later += engine.step()
+    assert {d.request_id for d in later} == {"b"} and later[-1].usage.completion_tokens == 30
+    assert_all_blocks_free(engine)

@@ -115,3 +115,85 @@ def test_eos_finishes_and_frees():
     assert a.is_finished and a.finish_reason == FinishReason.STOP
     assert a.output_token_ids == [EOS]
     assert sched.block_manager.num_free_blocks == 16
+
+
+def sampled_by(out, token: int) -> dict[int, int]:
+    return {s.seq.seq_id: token for s in out.scheduled if s.is_sampling}
+
+
+def test_async_schedules_the_pending_token_before_its_id_is_known():
+    sched = make_scheduler()
+    a = make_seq(3, "a", max_tokens=10)
+    sched.add(a)
+    first = sched.schedule()  # prefill: samples token 3
+    assert (a.num_computed_tokens, a.num_pending_tokens) == (3, 1)
+    second = sched.schedule()  # computes the pending token 3 before it reached the host
+    assert [(s.start, s.num_new_tokens, s.is_sampling) for s in second.scheduled] == [(3, 1, True)]
+    assert (len(a.token_ids), a.num_computed_tokens, a.num_pending_tokens) == (3, 4, 2)
+    sched.update_from_output(first, sampled_by(first, 50))
+    sched.update_from_output(second, sampled_by(second, 51))
+    assert a.output_token_ids == [50, 51] and a.num_pending_tokens == 0
+
+
+def test_async_hashes_a_block_once_its_pending_token_is_known():
+    sched = make_scheduler()
+    a = make_seq(3, "a", max_tokens=10)  # token 3 (sampled by the prefill) fills block 0
+    sched.add(a)
+    first = sched.schedule()
+    second = sched.schedule()  # computes token 3: block 0 is full but one of its ids is unknown
+    block = sched.block_manager.blocks[a.block_table[0]]
+    assert a.num_hashed_blocks == 0 and block.token_ids == ()
+    sched.update_from_output(first, sampled_by(first, 50))
+    third = sched.schedule()
+    assert a.num_hashed_blocks == 1 and block.token_ids == (10, 11, 12, 50)
+    sched.update_from_output(second, sampled_by(second, 51))
+    sched.update_from_output(third, sampled_by(third, 52))
+
+
+def test_async_does_not_schedule_a_sequence_its_pending_token_ends():
+    sched = make_scheduler()
+    a, b = make_seq(3, "a", max_tokens=2), make_seq(3, "b", max_tokens=5)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    second = sched.schedule()
+    sched.update_from_output(first, sampled_by(first, 7))
+    third = sched.schedule()  # a's pending token is its last: only b runs
+    assert plan(third) == [("b", 1, True)]
+    sched.update_from_output(second, sampled_by(second, 7))
+    assert a.finish_reason == FinishReason.LENGTH and a.output_token_ids == [7, 7]
+    sched.update_from_output(third, sampled_by(third, 8))
+    assert b.output_token_ids == [7, 7, 8]
+
+
+def test_async_eos_drops_the_token_computed_after_it():
+    sched = make_scheduler()
+    a = make_seq(3, "a")
+    sched.add(a)
+    first = sched.schedule()
+    second = sched.schedule()
+    sched.update_from_output(first, sampled_by(first, EOS))
+    assert a.is_finished and sched.block_manager.num_free_blocks == 16
+    assert sched.update_from_output(second, sampled_by(second, 9)) == []
+    assert a.output_token_ids == [EOS]
+
+
+def test_async_preempted_sequence_gets_its_pending_token_then_resumes():
+    sched = make_scheduler(num_blocks=4)
+    a, b = make_seq(6, "a", first_token=100), make_seq(6, "b", first_token=200)
+    sched.add(a)
+    sched.add(b)
+    outs = [sched.schedule(), sched.schedule()]  # prefill (samples token 6), token 6 computed
+    sched.update_from_output(outs[0], sampled_by(outs[0], 60))
+    outs.append(sched.schedule())  # token 7 computed (last slot of block 1 / 3)
+    sched.update_from_output(outs[1], sampled_by(outs[1], 61))
+    out = sched.schedule()  # token 8 needs a third block each: b is preempted with token 8 pending
+    assert [s.request_id for s in out.preempted] == ["b"] and plan(out) == [("a", 1, True)]
+    assert b.num_pending_tokens == 1 and b.block_table == [] and b.num_computed_tokens == 0
+    sched.update_from_output(outs[2], sampled_by(outs[2], 62))
+    sched.update_from_output(out, sampled_by(out, 63))
+    assert b.output_token_ids == [60, 61, 62] and b.num_pending_tokens == 0
+    assert a.output_token_ids == [60, 61, 62, 63]
+    sched.finish(a, FinishReason.STOP)
+    resumed = sched.schedule()  # block 0 (prompt only) is cached; block 1 was never hashed
+    assert [(s.start, s.num_new_tokens) for s in resumed.scheduled] == [(4, 5)]

@@ -11,7 +11,7 @@ from inference_service.engine.kv_cache import FP8_KV_DTYPE, KVCacheSpec
 from inference_service.engine.sampling_params import SamplingParams
 from inference_service.engine.scheduler import ScheduledSeq
 from inference_service.engine.sequence import Sequence
-from inference_service.engine.step_inputs import StepInputs
+from inference_service.engine.step_inputs import PendingTokenIds, StepInputs
 from inference_service.model.config import ModelConfig
 
 BLOCK_SIZE = 4
@@ -23,6 +23,10 @@ def _seq(token_ids: list[int], block_table: list[int], num_computed: int) -> Seq
     return seq
 
 
+def _scheduled(seq: Sequence, num_new_tokens: int, is_sampling: bool) -> ScheduledSeq:
+    return ScheduledSeq(seq, seq.num_computed_tokens, num_new_tokens, is_sampling)
+
+
 def _inputs() -> StepInputs:
     return StepInputs(max_num_tokens=32, max_num_seqs=8, max_blocks_per_seq=6, block_size=BLOCK_SIZE,
                       device=torch.device("cpu"))
@@ -32,7 +36,7 @@ def test_prepare_mixed_step_exact_buffers():
     inputs = _inputs()
     chunk = _seq(list(range(100, 110)), [7, 2, 9], num_computed=3)  # tokens 3..8 of a 10-token prompt
     decode = _seq([5, 6, 7, 8, 9], [4, 1], num_computed=4)  # its 5th token, position 4 -> block 1, offset 0
-    ids, positions, md = inputs.prepare([ScheduledSeq(chunk, 6, False), ScheduledSeq(decode, 1, True)])
+    ids, positions, md = inputs.prepare([_scheduled(chunk, 6, False), _scheduled(decode, 1, True)])
     assert ids.tolist() == [103, 104, 105, 106, 107, 108, 9]
     assert positions.tolist() == [3, 4, 5, 6, 7, 8, 4]
     # position p of block table t -> t[p // 4] * 4 + p % 4
@@ -46,9 +50,9 @@ def test_prepare_mixed_step_exact_buffers():
 
 def test_prepare_reuses_buffers_and_pads_decode_steps():
     inputs = _inputs()
-    inputs.prepare([ScheduledSeq(_seq(list(range(20)), [0, 1, 2, 3, 5], 0), 20, True)])  # leaves stale values
+    inputs.prepare([_scheduled(_seq(list(range(20)), [0, 1, 2, 3, 5], 0), 20, True)])  # leaves stale values
     seqs = [_seq([1, 2, 3], [3], 2), _seq([4, 5, 6, 7, 8, 9], [6, 8], 5)]
-    ids, positions, md = inputs.prepare([ScheduledSeq(s, 1, True) for s in seqs], pad_to=4)
+    ids, positions, md = inputs.prepare([_scheduled(s, 1, True) for s in seqs], pad_to=4)
     assert ids.tolist() == [3, 9, 0, 0]
     assert positions.tolist() == [2, 5, 0, 0]  # padding rows at position 0, inside every rope table
     assert md.slot_mapping.tolist() == [3 * 4 + 2, 8 * 4 + 1, -1, -1]  # padding writes no cache slot
@@ -56,7 +60,20 @@ def test_prepare_reuses_buffers_and_pads_decode_steps():
     assert md.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert md.block_tables.shape[0] == 4 and md.max_query_len == 1
     with pytest.raises(AssertionError, match="decode-only"):
-        inputs.prepare([ScheduledSeq(seqs[1], 2, True)], pad_to=2)
+        inputs.prepare([_scheduled(seqs[1], 2, True)], pad_to=2)
+
+
+def test_pending_tokens_are_gathered_from_the_step_in_flight():
+    inputs = _inputs()
+    known = _seq([5, 6, 7], [2], 2)  # decodes its known token 7 at position 2
+    pending = _seq([1, 2, 3, 4], [9, 3], 4)  # token at position 4 sampled by the step in flight
+    pending_too = _seq([8, 9], [5], 2)
+    in_flight = PendingTokenIds(torch.tensor([70, 40, 90]), {pending.seq_id: 2, pending_too.seq_id: 0})
+    ids, positions, md = inputs.prepare([_scheduled(s, 1, True) for s in (known, pending, pending_too)],
+                                        pending=in_flight)
+    assert ids.tolist() == [7, 90, 70]
+    assert positions.tolist() == [2, 4, 2]
+    assert md.slot_mapping.tolist() == [2 * 4 + 2, 3 * 4 + 0, 5 * 4 + 2]
 
 
 def test_capture_sizes():
