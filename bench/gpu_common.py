@@ -59,6 +59,39 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+class GpuStepTimer:
+    """Wraps `engine.model_runner.launch` to time each step's device work with CUDA events: from the
+    first copy of its inputs starting on the GPU to its sampled ids' copy to the host. A GPU-bound
+    loop has step wall times equal to these; a host-bound one leaves the GPU idle in between.
+    `kinds` labels each step "decode" (one token a sequence) or "mixed" (a prefill in it)."""
+
+    def __init__(self, engine):
+        self.events: list[tuple] = []
+        self.kinds: list[str] = []
+        runner = engine.model_runner
+        launch = runner.launch
+
+        def timed_launch(scheduled, *args, **kwargs):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = launch(scheduled, *args, **kwargs)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events.append((start, end))
+            self.kinds.append("decode" if all(s.num_new_tokens == 1 for s in scheduled) else "mixed")
+            return out
+
+        runner.launch = timed_launch
+
+    def clear(self) -> None:
+        self.events.clear()
+        self.kinds.clear()
+
+    def gpu_ms(self) -> list[float]:
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) for a, b in self.events]
+
+
 def copy_bandwidth_gbs(num_bytes: int = 2**30) -> float:
     """Device-to-device copy, bytes read + written, median of 20 (after 3 warm-ups)."""
     src = torch.randn(num_bytes // 4, device=DEVICE)

@@ -108,6 +108,7 @@ def _cpu_step(loaded, results: dict, steps: int, is_async: bool) -> None:
     runner.inputs.prepare = timer.wrap("prepare_inputs", runner.inputs.prepare)
     engine.update_from_output = timer.wrap("update_from_output", engine.update_from_output)
     runner.sampler.sample = timer.wrap("sample_launch", runner.sampler.sample)
+    gpu_timer = common.GpuStepTimer(engine) if common.DEVICE != "cpu" else None
     original_build, original_result = SamplingBatch.build, LaunchedStep.result
     SamplingBatch.build = timer.wrap("sampling_batch_build", original_build)
     LaunchedStep.result = timer.wrap("wait_for_gpu", original_result)
@@ -122,15 +123,18 @@ def _cpu_step(loaded, results: dict, steps: int, is_async: bool) -> None:
             engine.step()
             sync()
             timer.totals.clear()
+            if gpu_timer:
+                gpu_timer.clear()
             t0 = time.perf_counter()
             for _ in range(steps):
                 engine.step()
             wall = (time.perf_counter() - t0) / steps
+            gpu_ms = sorted(gpu_timer.gpu_ms())[steps // 2] if gpu_timer else 0.0
             per_step = {k: round(v / steps * 1e3, 3) for k, v in timer.totals.items()}
             host = sum(v for k, v in per_step.items() if k != "wait_for_gpu")
             key = f"cpu_step_{num_seqs}{'_async' if is_async else ''}"
             results[key] = {"running_seqs": len(engine.scheduler.running), "step_wall_ms": round(wall * 1e3, 3),
-                            "host_ms": round(host, 3), **per_step}
+                            "gpu_ms_median": round(gpu_ms, 3), "host_ms": round(host, 3), **per_step}
             print(f"cpu step at {num_seqs} (async {is_async}):", results[key], flush=True)
             while engine.has_unfinished:
                 engine.step()
@@ -176,18 +180,30 @@ def offline(loaded, results: dict, num_requests: int, prompt_len: int = 1000, ou
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i in range(num_requests):
         engine.add_request(engine.input_processor.process(f"o{i}", _random_prompt(prompt_len, 1000 + i), params))
+    gpu_timer = common.GpuStepTimer(engine) if common.DEVICE != "cpu" else None
     t0 = time.perf_counter()
-    num_out, steps = 0, 0
+    num_out, steps, walls = 0, 0, []
     while engine.has_unfinished and time.perf_counter() - t0 < time_limit_s:
         num_out += sum(len(d.token_ids) for d in engine.step())
         steps += 1
+        walls.append(time.perf_counter())
     elapsed = time.perf_counter() - t0
+    # Step i's wall time is the call that launched step i+1 and waited for step i (async scheduling).
+    split = {}
+    if gpu_timer:
+        gpu = gpu_timer.gpu_ms()
+        wall_ms = [(b - a) * 1e3 for a, b in zip(walls, walls[1:])]
+        for kind in ("decode", "mixed"):
+            idx = [i for i, k in enumerate(gpu_timer.kinds[:len(wall_ms)]) if k == kind]
+            split[kind] = {"steps": len(idx), "gpu_s": round(sum(gpu[i] for i in idx) / 1e3, 1),
+                           "wall_s": round(sum(wall_ms[i] for i in idx) / 1e3, 1)}
     key = f"offline_{'fp8' if kv_cache_dtype == 'fp8' else 'bf16'}_kv"
     results[key] = {
         "requests": num_requests, "prompt_tokens": prompt_len, "output_tokens": output_len,
         "finished": not engine.has_unfinished, "elapsed_s": round(elapsed, 1), "output_tokens_done": num_out,
         "steps": steps, "output_tok_s": round(num_out / elapsed, 1), "preemptions": engine.scheduler.num_preemptions,
         "kv_blocks": engine.model_runner.num_blocks, "target_tok_s": 10000 if kv_cache_dtype == "fp8" else 7000,
+        "by_step_kind": split,
     }
     print(f"offline ({kv_cache_dtype} KV):", results[key], flush=True)
     del engine
