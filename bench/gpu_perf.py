@@ -175,8 +175,9 @@ def ttft(loaded, results: dict) -> None:
 
 
 def offline(loaded, results: dict, num_requests: int, prompt_len: int = 1000, output_len: int = 1000,
-            kv_cache_dtype: str = "auto", time_limit_s: float = 240.0) -> None:
-    engine = _engine(loaded, kv_cache_dtype=kv_cache_dtype)
+            kv_cache_dtype: str = "auto", max_num_seqs: int = 256, time_limit_s: float = 240.0) -> None:
+    engine = _engine(loaded, kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
+                     max_cuda_graph_batch_size=max(256, max_num_seqs))
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i in range(num_requests):
         engine.add_request(engine.input_processor.process(f"o{i}", _random_prompt(prompt_len, 1000 + i), params))
@@ -197,9 +198,9 @@ def offline(loaded, results: dict, num_requests: int, prompt_len: int = 1000, ou
             idx = [i for i, k in enumerate(gpu_timer.kinds[:len(wall_ms)]) if k == kind]
             split[kind] = {"steps": len(idx), "gpu_s": round(sum(gpu[i] for i in idx) / 1e3, 1),
                            "wall_s": round(sum(wall_ms[i] for i in idx) / 1e3, 1)}
-    key = f"offline_{'fp8' if kv_cache_dtype == 'fp8' else 'bf16'}_kv"
+    key = f"offline_{'fp8' if kv_cache_dtype == 'fp8' else 'bf16'}_kv" + ("" if max_num_seqs == 256 else f"_seqs{max_num_seqs}")
     results[key] = {
-        "requests": num_requests, "prompt_tokens": prompt_len, "output_tokens": output_len,
+        "requests": num_requests, "max_num_seqs": max_num_seqs, "prompt_tokens": prompt_len, "output_tokens": output_len,
         "finished": not engine.has_unfinished, "elapsed_s": round(elapsed, 1), "output_tokens_done": num_out,
         "steps": steps, "output_tok_s": round(num_out / elapsed, 1), "preemptions": engine.scheduler.num_preemptions,
         "kv_blocks": engine.model_runner.num_blocks, "target_tok_s": 10000 if kv_cache_dtype == "fp8" else 7000,
