@@ -4,10 +4,13 @@
             over a grid of tile configurations, as bandwidth (weight bytes / time) next to the copy
             bandwidth measured here. Weights rotate over copies larger than L2, timed as CUDA-graph
             replays.
+  attention paged decode attention alone at --batch x --context (Llama-3-8B heads), bf16 and fp8
+            K/V, over tile configurations and split counts: time and bandwidth of the K/V bytes.
   profile   the engine's decode steps (CUDA graphs) under torch.profiler: GPU time per step by
             kernel, and their sum against the step's wall time.
 
-Usage: python bench/gpu_decode_profile.py [--only gemv,profile] [--out DIR]
+Usage: python bench/gpu_decode_profile.py [--only gemv,attention,profile] [--batch B --context C]
+       [--kv-cache-dtype fp8] [--out DIR]
 """
 
 from __future__ import annotations
@@ -94,14 +97,60 @@ def gemv_section(results: dict) -> None:
     results["gemv"] = out
 
 
-def profile_section(results: dict, batch: int = 1, context: int = 128, steps: int = 20) -> None:
+def attention_section(results: dict, batch: int, context: int) -> None:
+    from kernels import FP8_DTYPE
+    from kernels.decode_attention import choose_num_kv_splits, paged_decode_attention
+
+    num_q_heads, num_kv_heads, head_dim, page = 32, 8, 128, 16
+    copy_gbs = common.copy_bandwidth_gbs()
+    pages = -(-context // page)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    num_sets = max(2, -(-400 * 2**20 // (batch * context * num_kv_heads * head_dim * 2)))  # > 400 MiB of fp8 K+V
+    num_blocks = num_sets * batch * pages + 1
+    perm = (torch.randperm(num_blocks - 1) + 1).to(torch.int32)  # scattered pages, as in a live cache
+    tables = perm.view(num_sets, batch, pages).cuda()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, num_q_heads, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+    out = {"batch": batch, "context": context, "copy_gbs": round(copy_gbs, 1)}
+    auto = choose_num_kv_splits(batch, num_kv_heads, context, q.device)
+    for name, dtype in (("bf16", torch.bfloat16), ("fp8", FP8_DTYPE)):
+        k_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
+        v_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
+        kv_bytes = 2 * batch * context * num_kv_heads * head_dim * k_cache.element_size()
+        rows = []
+        for splits in sorted({1, 2, auto}):
+            for bn, warps, stages in ((None, None, None), (32, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 2),
+                                      (128, 8, 2), (128, 8, 3)):
+                def call(i, splits=splits, bn=bn, warps=warps, stages=stages):
+                    paged_decode_attention(q, k_cache, v_cache, tables[i % num_sets], seq_lens, 0.088, k_scale=0.5,
+                                           v_scale=0.5, num_kv_splits=splits, block_n=bn, num_warps=warps,
+                                           num_stages=stages)
+                try:
+                    ms = _graph_time_ms(call, 2 * num_sets)
+                except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+                    rows.append({"splits": splits, "cfg": (bn, warps, stages), "failed": repr(e)[:120]})
+                    continue
+                rows.append({"splits": splits, "cfg": (bn, warps, stages) if bn else "default", "us": round(ms * 1e3, 1),
+                             "gbs": round(kv_bytes / (ms * 1e-3) / 1e9, 1)})
+        ok = [r for r in rows if "us" in r]
+        default = next(r for r in ok if r["splits"] == auto and r["cfg"] == "default")
+        out[name] = {"kv_gb": round(kv_bytes / 1e9, 3), "auto_splits": auto, "default": default,
+                     "best": min(ok, key=lambda r: r["us"]), "all": rows}
+        print(f"attention {name} b{batch} ctx{context}: default {default} best {out[name]['best']}", flush=True)
+        del k_cache, v_cache
+        torch.cuda.empty_cache()
+    results[f"decode_attention_b{batch}_ctx{context}"] = out
+
+
+def profile_section(results: dict, batch: int = 1, context: int = 128, steps: int = 20,
+                    kv_cache_dtype: str = "auto") -> None:
     from torch.profiler import ProfilerActivity, profile
 
     import gpu_perf
     from inference_service.engine.sampling_params import SamplingParams
 
     loaded, _ = gpu_perf.load_llama()
-    engine = gpu_perf._engine(loaded, max_num_seqs=max(batch, 256))
+    engine = gpu_perf._engine(loaded, max_num_seqs=max(batch, 256), kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
     for i in range(batch):
         engine.add_request(engine.input_processor.process(f"p{i}", gpu_perf._random_prompt(context, i), params))
@@ -128,12 +177,12 @@ def profile_section(results: dict, batch: int = 1, context: int = 128, steps: in
             kernels[evt.key] = (device_us / steps, evt.count / steps)
     total_us = sum(us for us, _ in kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
-    results[f"decode_profile_b{batch}_ctx{context}"] = {
+    results[f"decode_profile_b{batch}_ctx{context}_{kv_cache_dtype}"] = {
         "step_wall_ms": round(unprofiled_ms, 3), "step_wall_ms_under_profiler": round(wall_ms, 3), "gpu_kernel_ms_per_step": round(total_us / 1e3, 3),
         "kernels_per_step": round(sum(c for _, c in kernels.values()), 1),
         "top": [{"kernel": k[:90], "us_per_step": round(us, 1), "calls_per_step": round(c, 1)} for k, (us, c) in top],
     }
-    print(json.dumps(results[f"decode_profile_b{batch}_ctx{context}"], indent=1), flush=True)
+    print(json.dumps(results[f"decode_profile_b{batch}_ctx{context}_{kv_cache_dtype}"], indent=1), flush=True)
 
 
 def main() -> None:
@@ -142,12 +191,15 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_profile"))
     parser.add_argument("--batch", type=int, default=1, help="running sequences in the profiled decode steps")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens of each profiled sequence")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8 (profile section)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("COMMIT", "unknown"),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     sections = {"gemv": gemv_section,
-                "profile": lambda r: profile_section(r, batch=args.batch, context=args.context)}
+                "attention": lambda r: attention_section(r, args.batch, args.context),
+                "profile": lambda r: profile_section(r, batch=args.batch, context=args.context,
+                                                     kv_cache_dtype=args.kv_cache_dtype)}
     for name in args.only.split(","):
         try:
             sections[name](results)
