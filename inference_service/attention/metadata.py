@@ -33,6 +33,9 @@ class AttentionMetadata:
     # Host copies, so the CPU backend can loop without device syncs.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # How many sequences at the front of the batch have one query token each (decodes, or a
+    # prompt's last token): a mixed step can run them through a decode kernel. 0 = not counted.
+    num_decode_seqs: int = 0
 
     @property
     def num_seqs(self) -> int:

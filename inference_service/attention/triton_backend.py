@@ -4,7 +4,8 @@ One layer's step is two or three launches::
 
     write_kv_cache(k, v -> cache at slot_mapping)           # slot -1 (padding) skipped
     decode-only step  -> paged_decode_attention             # one query per sequence, split-KV
-    anything else     -> paged_prefill_attention            # prefill, chunked prefill, prefix hits, mixed
+    anything else     -> paged_decode_attention             # the leading one-token rows, if any
+                         paged_prefill_attention            # the rest: prefills, chunks, prefix hits
 
 The prefill kernel reads every key and value from the cache, new ones included, so the write comes
 first. Neither launch needs a host sync: the decode split count comes from the step's host-side
@@ -57,12 +58,28 @@ class TritonPagedAttention:
                 num_kv_splits=self._num_kv_splits(metadata, k_cache),
                 k_scale=self.k_scale, v_scale=self.v_scale,
             )  # [T, Hq, D]
-        # NOTE: a mixed batch spends one block_m-row program per decode row here; splitting decode rows
-        # off to the decode kernel is a later optimisation (kernels/README.md, "Open").
-        return kern.paged_prefill_attention(
-            q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
-            metadata.max_query_len, scale, k_scale=self.k_scale, v_scale=self.v_scale,
-        )  # [T, Hq, D]; rows past query_start_loc[-1] unwritten
+        out = torch.empty_like(q)  # [T, Hq, D]; rows past query_start_loc[-1] unwritten
+        num_decodes = metadata.num_decode_seqs
+        if num_decodes:
+            # NOTE: the prefill kernel gives a one-token query a program per query head, each reading
+            # its KV head's whole context (a GQA group reads it group times over); the decode kernel
+            # reads it once for the group. In a mixed step of a few prefills and hundreds of long
+            # decodes that is most of the step's attention time.
+            kern.paged_decode_attention(
+                q[:num_decodes], k_cache, v_cache, metadata.block_tables[:num_decodes],
+                metadata.seq_lens[:num_decodes], scale, out=out[:num_decodes],
+                num_kv_splits=kern.choose_num_kv_splits(num_decodes, k_cache.shape[2], metadata.max_seq_len,
+                                                        k_cache.device),
+                k_scale=self.k_scale, v_scale=self.v_scale,
+            )
+        # The prefill kernel finds each sequence's query rows at its query_start_loc entry, so the
+        # rest of the batch keeps its absolute row offsets into q and out.
+        kern.paged_prefill_attention(
+            q, k_cache, v_cache, metadata.block_tables[num_decodes:], metadata.query_start_loc[num_decodes:],
+            metadata.seq_lens[num_decodes:], metadata.max_query_len, scale, out=out,
+            k_scale=self.k_scale, v_scale=self.v_scale,
+        )
+        return out
 
     def _num_kv_splits(self, metadata: AttentionMetadata, k_cache: torch.Tensor) -> int:
         key = (metadata.num_seqs, metadata.max_seq_len)

@@ -89,9 +89,12 @@ class StepInputs:
         query_start_loc[0] = 0
         pending_rows, pending_sources = self.pending_rows.np, self.pending_sources.np
         lo = max_query_len = max_num_blocks = num_pending = 0
+        num_decode_seqs = None  # the leading one-token rows end at the first longer query
         for i, s in enumerate(scheduled):
             seq, start, n = s.seq, s.start, s.num_new_tokens
             end = start + n
+            if n != 1 and num_decode_seqs is None:
+                num_decode_seqs = i
             block_table = seq.block_table
             num_blocks = len(block_table)
             block_tables[i, :num_blocks] = block_table
@@ -138,6 +141,7 @@ class StepInputs:
             max_seq_len=max(seq_lens_cpu),  # padding rows are 0
             query_start_loc_cpu=query_start_loc[:num_seqs + 1].tolist(),
             seq_lens_cpu=seq_lens_cpu,
+            num_decode_seqs=num_seqs if num_decode_seqs is None else num_decode_seqs,  # padding rows included
         )
         device_positions = self.positions.upload(num_tokens)
         if self.input_ids.is_copied:

@@ -43,7 +43,7 @@ def test_prepare_mixed_step_exact_buffers():
     assert md.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 9 * 4 + 0, 1 * 4 + 0]
     assert md.query_start_loc.tolist() == md.query_start_loc_cpu == [0, 6, 7]
     assert md.seq_lens.tolist() == md.seq_lens_cpu == [9, 5]
-    assert (md.max_query_len, md.max_seq_len) == (6, 9)
+    assert (md.max_query_len, md.max_seq_len, md.num_decode_seqs) == (6, 9, 0)  # the decode is not in front
     assert md.block_tables.shape == (2, 3)
     assert md.block_tables[0].tolist() == [7, 2, 9] and md.block_tables[1, :2].tolist() == [4, 1]
 
@@ -58,9 +58,20 @@ def test_prepare_reuses_buffers_and_pads_decode_steps():
     assert md.slot_mapping.tolist() == [3 * 4 + 2, 8 * 4 + 1, -1, -1]  # padding writes no cache slot
     assert md.seq_lens.tolist() == [3, 6, 0, 0]  # and attends to nothing
     assert md.query_start_loc.tolist() == [0, 1, 2, 3, 4]
-    assert md.block_tables.shape[0] == 4 and md.max_query_len == 1
+    assert md.block_tables.shape[0] == 4 and md.max_query_len == 1 and md.num_decode_seqs == 4
     with pytest.raises(AssertionError, match="decode-only"):
         inputs.prepare([_scheduled(seqs[1], 2, True)], pad_to=2)
+
+
+def test_leading_one_token_rows_are_counted_as_decodes():
+    inputs = _inputs()
+    decodes = [_seq([1, 2, 3], [3], 2), _seq([4, 5, 6, 7, 8, 9], [6, 8], 5)]
+    last_prompt_token = _seq([1, 2, 3, 4], [2], 3)  # a chunk of one token: attends like a decode
+    prefill, later_decode = _seq(list(range(10)), [1, 4, 5], 0), _seq([7, 7], [9], 1)
+    step = [_scheduled(s, 1, True) for s in decodes] + [_scheduled(last_prompt_token, 1, True),
+                                                        _scheduled(prefill, 10, True), _scheduled(later_decode, 1, True)]
+    _, _, md = inputs.prepare(step)
+    assert md.num_decode_seqs == 3 and md.query_start_loc_cpu == [0, 1, 2, 3, 13, 14]
 
 
 def test_pending_tokens_are_gathered_from_the_step_in_flight():

@@ -24,6 +24,8 @@ CASES = {
     "decode_only": [(0, 1), (16, 1), (37, 1), (5, 1)],
     "prefill_only": [(0, 7), (0, 16), (0, 33)],
     "mixed": [(0, 9), (20, 1), (16, 12), (3, 1), (31, 2)],  # fresh, decode, prefix hit, decode, chunk
+    # Leading decodes run the decode kernel, the rest the prefill kernel, into one output.
+    "mixed_decodes_first": [(20, 1), (3, 1), (47, 1), (0, 9), (16, 12), (5, 1)],
 }
 
 
@@ -56,6 +58,7 @@ def _step(seqs: list[tuple[int, int]], block_size: int, num_blocks: int, gen: to
         max_seq_len=max(seq_lens),
         query_start_loc_cpu=starts,
         seq_lens_cpu=seq_lens,
+        num_decode_seqs=next((i for i, (_, n) in enumerate(seqs) if n != 1), len(seqs)),
     )
     return md, torch.cat(owned), torch.cat(slots)
 
