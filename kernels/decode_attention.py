@@ -2,20 +2,14 @@
 
 Split-KV in two passes::
 
-    pass 1, grid (num_seqs, num_kv_heads / HEADS, num_splits):
-        one program = one sequence x HEADS adjacent KV heads x one slice of the context. It serves
-        every query head of those KV heads' groups at once (a [BLOCK_H, D] query tile), so each K/V
-        tile is read from memory once per group, and writes a partial output plus its log-sum-exp.
+    pass 1, grid (num_seqs, num_kv_heads, num_splits):
+        one program = one sequence x one KV head x one slice of the context. It serves every
+        query head of the KV head's group at once (a [BLOCK_H, D] query tile), so each K/V tile
+        is read from memory once per group, and writes a partial output plus its log-sum-exp.
     pass 2, grid (num_seqs, num_q_heads):
         merges the num_splits partials by their log-sum-exp weights.
 
 With num_splits == 1 pass 1 writes the final output and pass 2 is skipped.
-
-HEADS > 1 (the fp8 default) reads a token's K (and V) rows of HEADS adjacent KV heads as one
-contiguous run: with one-byte elements a single head's row is only head_dim bytes, and such short
-scattered runs leave memory bandwidth unused. A K tile then holds BLOCK_N tokens x HEADS heads as
-rows (head fastest); a query row's scores against the other heads' rows are masked out, so the
-wasted products are the price (tensor cores have plenty to spare here).
 
     context of a sequence, split into num_splits slices of whole BLOCK_N tiles:
     [ tile | tile | tile | tile | tile | tile | tile ]   (last tile partial: masked)
@@ -94,7 +88,6 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    HEADS: tl.constexpr,  # KV heads per program
     PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
@@ -104,7 +97,7 @@ def _decode_split_kernel(
     FP16_DOTS: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    kv_head = tl.program_id(1) * HEADS  # the first of the program's KV heads
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -118,7 +111,7 @@ def _decode_split_kernel(
 
     offs_h = tl.arange(0, BLOCK_H)
     heads = kv_head * group + offs_h
-    h_mask = offs_h < group * HEADS
+    h_mask = offs_h < group
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     q = tl.load(
@@ -139,34 +132,34 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
-    offs_r = tl.arange(0, BLOCK_N * HEADS)  # K/V tile rows: token r // HEADS, head r % HEADS
-    # A query row scores only its own KV head's rows.
-    same_head = (offs_h[:, None] // group) == (offs_r[None, :] % HEADS)  # [BLOCK_H, BLOCK_N * HEADS]
     for n in range(lo, hi, BLOCK_N):
-        offs_n = n + offs_r // HEADS
+        offs_n = n + tl.arange(0, BLOCK_N)
         valid = offs_n < hi
         if USE_WINDOW:
             valid = valid & (offs_n >= first)
         block = tl.load(bt_row + offs_n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
         in_page = offs_n % PAGE_SIZE
         kv_mask = valid[:, None] & d_mask[None, :]
-        k_rows = block * stride_k_block + in_page * stride_k_tok + (offs_r % HEADS) * stride_k_head
-        k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        s = mma(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N * HEADS], tl.float32), DOT_PREC, UPCAST)
+        k = tl.load(
+            k_base + (block * stride_k_block + in_page * stride_k_tok)[:, None] + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(q.dtype)
+        s = mma(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_PREC, UPCAST)  # [BLOCK_H, BLOCK_N]
         if USE_SOFT_CAP:
             s = (soft_cap * _LOG2E) * _tanh(s * (sm_scale / soft_cap))
         else:
             s = s * (sm_scale * _LOG2E)
-        if HEADS == 1:
-            s = tl.where(valid[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
-        else:
-            s = tl.where(valid[None, :] & same_head, s, float("-inf"))
+        s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_rows = block * stride_v_block + in_page * stride_v_tok + (offs_r % HEADS) * stride_v_head
-        v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(
+            v_base + (block * stride_v_block + in_page * stride_v_tok)[:, None] + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
         if FP16_DOTS:
             # NOTE: a product with a run-time 1.0 keeps the compiler from moving the widening after
             # shared memory, where fp8 V, read transposed, is fetched byte by byte (64 LDS.U8 a tile).
@@ -260,7 +253,6 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    heads_per_program: int | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's single query token over its whole paged context.
 
@@ -271,8 +263,7 @@ def paged_decode_attention(
 
     `num_kv_splits` (a power of two <= 64) defaults to `choose_num_kv_splits(...)`, which needs
     `max_seq_len`; without either the launcher reads `seq_lens.max()` (a device sync: pass one of
-    them under CUDA-graph capture). `block_n`, `num_warps`, `num_stages` and `heads_per_program`
-    (KV heads a program reads together, dividing num_kv_heads) override the tile config.
+    them under CUDA-graph capture). `block_n`, `num_warps`, `num_stages` override the tile config.
     """
     require(q.dim() == 3, f"q: expected [num_seqs, num_q_heads, head_dim], got {tuple(q.shape)}")
     num_seqs, num_q_heads, head_dim = q.shape
@@ -315,13 +306,8 @@ def paged_decode_attention(
     )
 
     group = num_q_heads // num_kv_heads
-    if heads_per_program is None:  # NOTE: fp8 rows of two heads are as long as one head's in bf16
-        heads_per_program = 2 if k_cache.dtype == FP8_DTYPE and num_kv_heads % 2 == 0 else 1
-    require(heads_per_program >= 1 and num_kv_heads % heads_per_program == 0
-            and heads_per_program & (heads_per_program - 1) == 0,
-            f"heads_per_program {heads_per_program} must be a power of two dividing num_kv_heads {num_kv_heads}")
     block_d = next_pow2(head_dim)
-    block_h = max(16, next_pow2(group * heads_per_program))
+    block_h = max(16, next_pow2(group))
     if is_interpreter():
         block_n = block_n or 16
     else:
@@ -337,7 +323,7 @@ def paged_decode_attention(
         part_lse = torch.empty((num_seqs, num_q_heads, num_kv_splits), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
-    _decode_split_kernel[(num_seqs, num_kv_heads // heads_per_program, num_kv_splits)](
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
         q,
         k_cache,
         v_cache,
@@ -372,7 +358,6 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
-        HEADS=heads_per_program,
         PAGE_SIZE=page_size,
         NUM_SPLITS=num_kv_splits,
         USE_WINDOW=sliding_window is not None,

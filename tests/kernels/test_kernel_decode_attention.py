@@ -19,7 +19,7 @@ def odd_lens(page: int) -> list[int]:
 
 
 def run_case(head_dim, num_kv_heads, group, page, dtype, seq_lens, *, splits=None, window=None, cap=None,
-             strided_q=False, heads=None):  # fmt: skip
+             strided_q=False):  # fmt: skip
     kv = PagedKV(seq_lens, page, num_kv_heads, head_dim, dtype)
     num_q_heads = num_kv_heads * group
     b = len(seq_lens)
@@ -31,8 +31,7 @@ def run_case(head_dim, num_kv_heads, group, page, dtype, seq_lens, *, splits=Non
     scale = head_dim**-0.5
     out = poisoned(q.shape, dtype)
     paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale, out=out,
-                           num_kv_splits=splits, sliding_window=window, soft_cap=cap,
-                           heads_per_program=heads)  # fmt: skip
+                           num_kv_splits=splits, sliding_window=window, soft_cap=cap)  # fmt: skip
     ref = paged_decode_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale,
                                      sliding_window=window, soft_cap=cap)  # fmt: skip
     err = rel_err(out, ref)
@@ -90,16 +89,6 @@ def test_decode_strided_q():
     run_case(80, 2, 3, 16, BF16, [3, 20], strided_q=True)
 
 
-@pytest.mark.parametrize("heads", [2, 4])
-@pytest.mark.parametrize("dtype", [F32, BF16])
-def test_decode_several_kv_heads_per_program(heads, dtype):
-    # Each query row must see only its own KV head's rows of the shared tile (GQA 3: groups that
-    # do not align with powers of two), with and without splits and a window.
-    lens = [1, 15, 17, 40] + ([3000] if ON_GPU else [])
-    run_case(64, 4, 3, 16, dtype, lens, splits=1, heads=heads)
-    run_case(64, 4, 3, 16, dtype, lens, splits=4, heads=heads, window=9, strided_q=True)
-
-
 @pytest.mark.parametrize("window", [1, 7, 16, 100])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_sliding_window(window, splits):
@@ -127,18 +116,17 @@ def test_decode_fp8_cache(dtype, head_dim):
     kv8.v_cache = (exact.v_cache.float() / v_scale).clamp(-448, 448).to(FP8_DTYPE)
     q = torch.randn(len(lens), 8, head_dim, device=DEVICE).to(dtype)
     scale = head_dim**-0.5
-    for splits, heads in ((1, None), (4, None), (1, 1)):  # default: two KV heads a program
+    for splits in (1, 4):
         out = poisoned(q.shape, dtype)
         paged_decode_attention(q, kv8.k_cache, kv8.v_cache, kv8.block_tables, kv8.seq_lens, scale, out=out,
-                               num_kv_splits=splits, k_scale=k_scale, v_scale=v_scale,
-                               heads_per_program=heads)  # fmt: skip
+                               num_kv_splits=splits, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         ref_deq = paged_decode_attention_ref(q, kv8.k_cache, kv8.v_cache, kv8.block_tables, kv8.seq_lens, scale,
                                              k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         ref_exact = paged_decode_attention_ref(q, exact.k_cache, exact.v_cache, exact.block_tables, exact.seq_lens,
                                                scale)  # fmt: skip
         err_deq, err_exact = rel_err(out, ref_deq), rel_err(out, ref_exact)
-        print(f"fp8 KV decode d={head_dim} {DTYPE_IDS[dtype]} splits={splits} heads={heads}: "
-              f"vs dequantized {err_deq:.2e}, vs unquantized {err_exact:.2e}")  # fmt: skip
+        print(f"fp8 KV decode d={head_dim} {DTYPE_IDS[dtype]} splits={splits}: vs dequantized {err_deq:.2e}, "
+              f"vs unquantized {err_exact:.2e}")  # fmt: skip
         assert err_deq <= TOL[BF16], err_deq  # the kernel computes the dequantized function
         assert err_exact <= FP8_ATTN_TOL, err_exact  # and fp8 storage costs a bounded error
 
@@ -155,7 +143,5 @@ def test_decode_checks_arguments():
         paged_decode_attention(q.to(BF16), *args)
     with pytest.raises(ValueError, match="num_kv_splits"):
         paged_decode_attention(q, *args, num_kv_splits=3)
-    with pytest.raises(ValueError, match="heads_per_program"):
-        paged_decode_attention(q, *args, heads_per_program=4)  # of two KV heads
     with pytest.raises(ValueError, match="v_cache"):
         paged_decode_attention(q, kv.k_cache, kv.v_cache[:, :8], kv.block_tables, kv.seq_lens, 0.125)
