@@ -7,7 +7,7 @@
   ttft      time to first token of 1k and 4k prompts against the FLOP roofline from the bf16 matmul
             rate measured here.
   offline   N requests of 1000 random prompt tokens and 1000 output tokens (ignore_eos), output tok/s,
-            with a bf16 and an fp8 KV cache.
+            with a bf16 KV cache (256 sequences at once) and an fp8 one (384: twice the blocks).
   grpc_smol SmolLM2-135M (dummy weights, same shapes) served by a real engine process, batch 1 through
             the gRPC API: decode tok/s as a client sees it.
 """
@@ -198,7 +198,7 @@ def offline(loaded, results: dict, num_requests: int, prompt_len: int = 1000, ou
             idx = [i for i, k in enumerate(gpu_timer.kinds[:len(wall_ms)]) if k == kind]
             split[kind] = {"steps": len(idx), "gpu_s": round(sum(gpu[i] for i in idx) / 1e3, 1),
                            "wall_s": round(sum(wall_ms[i] for i in idx) / 1e3, 1)}
-    key = f"offline_{'fp8' if kv_cache_dtype == 'fp8' else 'bf16'}_kv" + ("" if max_num_seqs == 256 else f"_seqs{max_num_seqs}")
+    key = f"offline_{'fp8' if kv_cache_dtype == 'fp8' else 'bf16'}_kv_seqs{max_num_seqs}"
     results[key] = {
         "requests": num_requests, "max_num_seqs": max_num_seqs, "prompt_tokens": prompt_len, "output_tokens": output_len,
         "finished": not engine.has_unfinished, "elapsed_s": round(elapsed, 1), "output_tokens_done": num_out,
