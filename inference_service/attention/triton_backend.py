@@ -34,8 +34,8 @@ class TritonPagedAttention:
 
         self._kernels = kernels
         self.k_scale, self.v_scale = k_scale, v_scale
-        # Split count of the last decode step, reused while the step's metadata object is the same
-        # (every layer of one step), so it is computed once a step.
+        # Split count of the last decode launch, by (sequences, longest context): every layer of a
+        # step asks the same, so it is computed once a step.
         self._splits_for: tuple[int, int] | None = None
         self._splits = 1
 
@@ -55,7 +55,7 @@ class TritonPagedAttention:
         if metadata.is_decode_only and q.shape[0] == metadata.num_seqs:
             return kern.paged_decode_attention(
                 q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale,
-                num_kv_splits=self._num_kv_splits(metadata, k_cache),
+                num_kv_splits=self._num_kv_splits(metadata.num_seqs, metadata.max_seq_len, k_cache),
                 k_scale=self.k_scale, v_scale=self.v_scale,
             )  # [T, Hq, D]
         out = torch.empty_like(q)  # [T, Hq, D]; rows past query_start_loc[-1] unwritten
@@ -68,8 +68,7 @@ class TritonPagedAttention:
             kern.paged_decode_attention(
                 q[:num_decodes], k_cache, v_cache, metadata.block_tables[:num_decodes],
                 metadata.seq_lens[:num_decodes], scale, out=out[:num_decodes],
-                num_kv_splits=kern.choose_num_kv_splits(num_decodes, k_cache.shape[2], metadata.max_seq_len,
-                                                        k_cache.device),
+                num_kv_splits=self._num_kv_splits(num_decodes, metadata.max_seq_len, k_cache),
                 k_scale=self.k_scale, v_scale=self.v_scale,
             )
         # The prefill kernel finds each sequence's query rows at its query_start_loc entry, so the
@@ -81,10 +80,9 @@ class TritonPagedAttention:
         )
         return out
 
-    def _num_kv_splits(self, metadata: AttentionMetadata, k_cache: torch.Tensor) -> int:
-        key = (metadata.num_seqs, metadata.max_seq_len)
+    def _num_kv_splits(self, num_seqs: int, max_seq_len: int, k_cache: torch.Tensor) -> int:
+        key = (num_seqs, max_seq_len)
         if key != self._splits_for:
-            self._splits = self._kernels.choose_num_kv_splits(
-                metadata.num_seqs, k_cache.shape[2], metadata.max_seq_len, k_cache.device)
+            self._splits = self._kernels.choose_num_kv_splits(num_seqs, k_cache.shape[2], max_seq_len, k_cache.device)
             self._splits_for = key
         return self._splits
