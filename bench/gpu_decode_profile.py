@@ -10,12 +10,14 @@
             kernel, and their sum against the step's wall time.
 
 Usage: python bench/gpu_decode_profile.py [--only gemv,attention,profile] [--batch B --context C]
+       [--attention-shapes 256x1500,1x640]
        [--kv-cache-dtype fp8] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -98,8 +100,12 @@ def gemv_section(results: dict) -> None:
 
 
 def attention_section(results: dict, batch: int, context: int) -> None:
+    """Decode attention alone at batch x context: bf16 and fp8 K/V, the engine's [block, token, head, dim]
+    cache layout ("nhd") against [block, head, token, dim] ("hnd", a strided view), over tile configs,
+    register prefetch on and off, and split counts (the launcher's, and the 64 a CUDA graph captures
+    for long contexts, with and without the per-split minimum)."""
     from kernels import FP8_DTYPE
-    from kernels.decode_attention import choose_num_kv_splits, paged_decode_attention
+    from kernels.decode_attention import MAX_KV_SPLITS, choose_num_kv_splits, paged_decode_attention
 
     num_q_heads, num_kv_heads, head_dim, page = 32, 8, 128, 16
     copy_gbs = common.copy_bandwidth_gbs()
@@ -113,32 +119,47 @@ def attention_section(results: dict, batch: int, context: int) -> None:
     q = torch.randn(batch, num_q_heads, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
     out = {"batch": batch, "context": context, "copy_gbs": round(copy_gbs, 1)}
     auto = choose_num_kv_splits(batch, num_kv_heads, context, q.device)
+    split_cases = [(auto, 128)]
+    if batch <= 8:
+        split_cases += [(MAX_KV_SPLITS, 128), (MAX_KV_SPLITS, 1)]
+    elif auto == 1:
+        split_cases.append((2, 128))
     for name, dtype in (("bf16", torch.bfloat16), ("fp8", FP8_DTYPE)):
-        k_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
-        v_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
-        kv_bytes = 2 * batch * context * num_kv_heads * head_dim * k_cache.element_size()
-        rows = []
-        for splits in sorted({1, 2, auto}):
-            for bn, warps, stages in ((None, None, None), (32, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 2),
-                                      (128, 8, 2), (128, 8, 3)):
-                def call(i, splits=splits, bn=bn, warps=warps, stages=stages):
+        for layout in ("nhd", "hnd"):
+            shape = (num_blocks, page, num_kv_heads, head_dim) if layout == "nhd" else (num_blocks, num_kv_heads, page,
+                                                                                          head_dim)
+            caches = [torch.randn(shape, device="cuda", generator=gen).to(dtype) for _ in range(2)]
+            if layout == "hnd":
+                caches = [c.transpose(1, 2) for c in caches]  # logical [block, token, head, dim]
+            k_cache, v_cache = caches
+            kv_bytes = 2 * batch * context * num_kv_heads * head_dim * k_cache.element_size()
+            rows = []
+            for (splits, min_len), (bn, warps, stages), prefetch in itertools.product(
+                    split_cases, ((None, None, None), (32, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3)),
+                    (None, not (dtype == FP8_DTYPE))):
+                if layout == "hnd" and (splits, min_len) != (auto, 128):
+                    continue
+
+                def call(i, splits=splits, min_len=min_len, bn=bn, warps=warps, stages=stages, prefetch=prefetch):
                     paged_decode_attention(q, k_cache, v_cache, tables[i % num_sets], seq_lens, 0.088, k_scale=0.5,
-                                           v_scale=0.5, num_kv_splits=splits, block_n=bn, num_warps=warps,
-                                           num_stages=stages)
+                                           v_scale=0.5, num_kv_splits=splits, min_split_len=min_len, block_n=bn,
+                                           num_warps=warps, num_stages=stages, prefetch=prefetch)
+                cfg = {"splits": splits, "min_split_len": min_len, "cfg": (bn, warps, stages) if bn else "default",
+                       "prefetch": "default" if prefetch is None else prefetch}
                 try:
                     ms = _graph_time_ms(call, 2 * num_sets)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
-                    rows.append({"splits": splits, "cfg": (bn, warps, stages), "failed": repr(e)[:120]})
+                    rows.append({**cfg, "failed": repr(e)[:120]})
                     continue
-                rows.append({"splits": splits, "cfg": (bn, warps, stages) if bn else "default", "us": round(ms * 1e3, 1),
-                             "gbs": round(kv_bytes / (ms * 1e-3) / 1e9, 1)})
-        ok = [r for r in rows if "us" in r]
-        default = next(r for r in ok if r["splits"] == auto and r["cfg"] == "default")
-        out[name] = {"kv_gb": round(kv_bytes / 1e9, 3), "auto_splits": auto, "default": default,
-                     "best": min(ok, key=lambda r: r["us"]), "all": rows}
-        print(f"attention {name} b{batch} ctx{context}: default {default} best {out[name]['best']}", flush=True)
-        del k_cache, v_cache
-        torch.cuda.empty_cache()
+                rows.append({**cfg, "us": round(ms * 1e3, 1), "gbs": round(kv_bytes / (ms * 1e-3) / 1e9, 1)})
+            ok = [r for r in rows if "us" in r]
+            default = next(r for r in ok if r["splits"] == auto and r["cfg"] == "default" and r["prefetch"] == "default")
+            out[f"{name}_{layout}"] = {"kv_gb": round(kv_bytes / 1e9, 3), "auto_splits": auto, "default": default,
+                                       "best": min(ok, key=lambda r: r["us"]), "all": rows}
+            print(f"attention {name} {layout} b{batch} ctx{context}: default {default} best "
+                  f"{out[f'{name}_{layout}']['best']}", flush=True)
+            del k_cache, v_cache, caches
+            torch.cuda.empty_cache()
     results[f"decode_attention_b{batch}_ctx{context}"] = out
 
 
@@ -206,6 +227,8 @@ def main() -> None:
     parser.add_argument("--only", default="gemv,profile")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_profile"))
     parser.add_argument("--batch", type=int, default=1, help="running sequences in the profiled decode steps")
+    parser.add_argument("--attention-shapes", default="",
+                        help="BxC,... shapes of the attention section (default: --batch x --context)")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens of each profiled sequence")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8 (profile section)")
     args = parser.parse_args()
@@ -213,7 +236,8 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("COMMIT", "unknown"),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     sections = {"gemv": gemv_section,
-                "attention": lambda r: attention_section(r, args.batch, args.context),
+                "attention": lambda r: [attention_section(r, *map(int, shape.split("x"))) for shape in
+                                        (args.attention_shapes or f"{args.batch}x{args.context}").split(",")],
                 "profile": lambda r: profile_section(r, args.out, batch=args.batch, context=args.context,
                                                      kv_cache_dtype=args.kv_cache_dtype)}
     for name in args.only.split(","):

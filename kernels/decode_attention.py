@@ -53,6 +53,42 @@ def _tanh(x):
 
 
 @triton.jit
+def _split_bounds(seq_len, window, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
+                  USE_WINDOW: tl.constexpr):
+    """(first visible key, [lo, hi) of this split, number of non-empty splits) of one sequence."""
+    first = seq_len * 0
+    if USE_WINDOW:
+        first = tl.maximum(seq_len - window, 0)
+    start = (first // BLOCK_N) * BLOCK_N
+    num_tiles = tl.cdiv(seq_len - start, BLOCK_N)
+    # NOTE: a CUDA graph fixes NUM_SPLITS for the longest context it may meet; a short context
+    # keeps MIN_TILES a split and leaves the rest empty, so the merge reads only the splits it filled.
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), MIN_TILES)
+    num_active = tl.cdiv(num_tiles, tiles_per_split)
+    lo = start + split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+    return first, lo, hi, num_active
+
+
+@triton.jit
+def _load_kv_tile(bt_row, k_base, v_base, n, hi, first, stride_k_block, stride_k_tok, stride_v_block, stride_v_tok,
+                  offs_d, d_mask, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """K and V of context tokens [n, n + BLOCK_N), as stored ([BLOCK_N, BLOCK_D] each), and which are visible."""
+    offs_n = n + tl.arange(0, BLOCK_N)
+    valid = offs_n < hi
+    if USE_WINDOW:
+        valid = valid & (offs_n >= first)
+    block = tl.load(bt_row + offs_n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    in_page = offs_n % PAGE_SIZE
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(k_base + (block * stride_k_block + in_page * stride_k_tok)[:, None] + offs_d[None, :], mask=kv_mask,
+                other=0.0)
+    v = tl.load(v_base + (block * stride_v_block + in_page * stride_v_tok)[:, None] + offs_d[None, :], mask=kv_mask,
+                other=0.0)
+    return k, v, valid
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,  # [num_seqs, num_q_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -90,24 +126,20 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MIN_TILES: tl.constexpr,  # fewest tiles a non-empty split takes
     USE_WINDOW: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     FP16_DOTS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    first = seq_len * 0  # first key the query may see
-    if USE_WINDOW:
-        first = tl.maximum(seq_len - window, 0)
-    start = (first // BLOCK_N) * BLOCK_N
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - start, BLOCK_N), NUM_SPLITS)
-    lo = start + split * tiles_per_split * BLOCK_N
-    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+    first, lo, hi, num_active = _split_bounds(seq_len, window, split, NUM_SPLITS, BLOCK_N, MIN_TILES, USE_WINDOW)
 
     offs_h = tl.arange(0, BLOCK_H)
     heads = kv_head * group + offs_h
@@ -132,19 +164,22 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
+    if PREFETCH:
+        k_next, v_next, valid_next = _load_kv_tile(bt_row, k_base, v_base, lo, hi, first, stride_k_block, stride_k_tok,
+                                                   stride_v_block, stride_v_tok, offs_d, d_mask, BLOCK_N, PAGE_SIZE,
+                                                   USE_WINDOW)
     for n in range(lo, hi, BLOCK_N):
-        offs_n = n + tl.arange(0, BLOCK_N)
-        valid = offs_n < hi
-        if USE_WINDOW:
-            valid = valid & (offs_n >= first)
-        block = tl.load(bt_row + offs_n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        in_page = offs_n % PAGE_SIZE
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_base + (block * stride_k_block + in_page * stride_k_tok)[:, None] + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(q.dtype)
+        if PREFETCH:
+            # NOTE: the next tile's loads are issued before this tile's math. Triton's pipeliner
+            # prefetches only loads that feed a dot unchanged; fp8 K/V are widened first.
+            k, v, valid = k_next, v_next, valid_next
+            k_next, v_next, valid_next = _load_kv_tile(bt_row, k_base, v_base, n + BLOCK_N, hi, first, stride_k_block,
+                                                       stride_k_tok, stride_v_block, stride_v_tok, offs_d, d_mask,
+                                                       BLOCK_N, PAGE_SIZE, USE_WINDOW)
+        else:
+            k, v, valid = _load_kv_tile(bt_row, k_base, v_base, n, hi, first, stride_k_block, stride_k_tok,
+                                        stride_v_block, stride_v_tok, offs_d, d_mask, BLOCK_N, PAGE_SIZE, USE_WINDOW)
+        k = k.to(q.dtype)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_PREC, UPCAST)  # [BLOCK_H, BLOCK_N]
         if USE_SOFT_CAP:
             s = (soft_cap * _LOG2E) * _tanh(s * (sm_scale / soft_cap))
@@ -155,11 +190,6 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + (block * stride_v_block + in_page * stride_v_tok)[:, None] + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
         if FP16_DOTS:
             # NOTE: a product with a run-time 1.0 keeps the compiler from moving the widening after
             # shared memory, where fp8 V, read transposed, is fetched byte by byte (64 LDS.U8 a tile).
@@ -178,7 +208,7 @@ def _decode_split_kernel(
             cast(o, out_ptr.dtype.element_ty),
             mask=hd_mask,
         )
-    else:
+    elif split < num_active:
         po = part_o_ptr + seq.to(tl.int64) * stride_po_seq + split * stride_po_split
         tl.store(po + heads[:, None] * stride_po_head + offs_d[None, :], o, mask=hd_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
@@ -189,8 +219,10 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     part_o_ptr,
     part_lse_ptr,
+    seq_lens_ptr,
     out_ptr,
     v_scale,
+    window,
     stride_po_seq,
     stride_po_head,
     stride_po_split,
@@ -200,15 +232,22 @@ def _decode_merge_kernel(
     stride_o_head,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    _, _, _, num_active = _split_bounds(tl.load(seq_lens_ptr + seq), window, 0, NUM_SPLITS, BLOCK_N, MIN_TILES,
+                                        USE_WINDOW)
     offs_s = tl.arange(0, NUM_SPLITS)
+    s_mask = offs_s < num_active  # partials of empty splits are never written
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
 
-    lse = tl.load(part_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + offs_s)  # [NUM_SPLITS]
+    lse = tl.load(part_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + offs_s, mask=s_mask,
+                  other=float("-inf"))  # [NUM_SPLITS]
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
     w = tl.exp2(lse - m)
@@ -216,7 +255,7 @@ def _decode_merge_kernel(
     denom = tl.where(denom > 0.0, denom, 1.0)
     o = tl.load(
         part_o_ptr + seq * stride_po_seq + head * stride_po_head + offs_s[:, None] * stride_po_split + offs_d[None, :],
-        mask=d_mask[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
         other=0.0,
     )  # [NUM_SPLITS, BLOCK_D]
     o = tl.sum(o * w[:, None], 0) * (v_scale / denom)
@@ -250,9 +289,11 @@ def paged_decode_attention(
     soft_cap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    min_split_len: int = MIN_TOKENS_PER_SPLIT,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    prefetch: bool | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's single query token over its whole paged context.
 
@@ -263,7 +304,10 @@ def paged_decode_attention(
 
     `num_kv_splits` (a power of two <= 64) defaults to `choose_num_kv_splits(...)`, which needs
     `max_seq_len`; without either the launcher reads `seq_lens.max()` (a device sync: pass one of
-    them under CUDA-graph capture). `block_n`, `num_warps`, `num_stages` override the tile config.
+    them under CUDA-graph capture). A split takes at least `min_split_len` keys (rounded to whole
+    tiles), so a short context fills fewer splits than asked and the merge reads only those.
+    `block_n`, `num_warps`, `num_stages` and `prefetch` (load the next K/V tile before this one's
+    math) override the tile config.
     """
     require(q.dim() == 3, f"q: expected [num_seqs, num_q_heads, head_dim], got {tuple(q.shape)}")
     num_seqs, num_q_heads, head_dim = q.shape
@@ -317,10 +361,16 @@ def paged_decode_attention(
         num_stages = num_stages or 3
     launch_opts = {} if is_interpreter() else {"num_warps": num_warps, "num_stages": num_stages}
     fp16_dots = k_cache.dtype == FP8_DTYPE and q.dtype != torch.float32
+    if prefetch is None:
+        prefetch = fp16_dots
+    min_tiles = max(1, min_split_len // block_n)
 
     if num_kv_splits > 1:
-        part_o = torch.empty((num_seqs, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_seqs, num_q_heads, num_kv_splits), dtype=torch.float32, device=q.device)
+        # NOTE: NaN in the interpreter, so that a merge reading a split nobody wrote fails the tests.
+        make = torch.full if is_interpreter() else torch.empty
+        fill = (float("nan"),) if is_interpreter() else ()
+        part_o = make((num_seqs, num_q_heads, num_kv_splits, head_dim), *fill, dtype=torch.float32, device=q.device)
+        part_lse = make((num_seqs, num_q_heads, num_kv_splits), *fill, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
     _decode_split_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
@@ -360,19 +410,23 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         PAGE_SIZE=page_size,
         NUM_SPLITS=num_kv_splits,
+        MIN_TILES=min_tiles,
         USE_WINDOW=sliding_window is not None,
         USE_SOFT_CAP=soft_cap is not None,
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=dot_upcast(),
         FP16_DOTS=fp16_dots,
+        PREFETCH=bool(prefetch),
         **launch_opts,
     )
     if num_kv_splits > 1:
         _decode_merge_kernel[(num_seqs, num_q_heads)](
             part_o,
             part_lse,
+            seq_lens,
             out,
             float(v_scale),
+            int(sliding_window or 0),
             part_o.stride(0),
             part_o.stride(1),
             part_o.stride(2),
@@ -382,7 +436,10 @@ def paged_decode_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
+            BLOCK_N=block_n,
             NUM_SPLITS=num_kv_splits,
+            MIN_TILES=min_tiles,
+            USE_WINDOW=sliding_window is not None,
         )
     return out
 
