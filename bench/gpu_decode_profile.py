@@ -101,8 +101,8 @@ def gemv_section(results: dict) -> None:
 
 def attention_section(results: dict, batch: int, context: int) -> None:
     """Decode attention alone at batch x context: bf16 and fp8 K/V, the engine's [block, token, head, dim]
-    cache layout ("nhd") against [block, head, token, dim] ("hnd", a strided view), over tile configs,
-    register prefetch on and off, and split counts (the launcher's, and the 64 a CUDA graph captures
+    cache layout ("nhd") against [block, head, token, dim] ("hnd", a strided view), over tile configs
+    and split counts (the launcher's, and the 64 a CUDA graph captures
     for long contexts, with and without the per-split minimum)."""
     from kernels import FP8_DTYPE
     from kernels.decode_attention import MAX_KV_SPLITS, choose_num_kv_splits, paged_decode_attention
@@ -134,18 +134,16 @@ def attention_section(results: dict, batch: int, context: int) -> None:
             k_cache, v_cache = caches
             kv_bytes = 2 * batch * context * num_kv_heads * head_dim * k_cache.element_size()
             rows = []
-            for (splits, min_len), (bn, warps, stages), prefetch in itertools.product(
-                    split_cases, ((None, None, None), (32, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3)),
-                    (None, not (dtype == FP8_DTYPE))):
+            for (splits, min_len), (bn, warps, stages) in itertools.product(
+                    split_cases, ((None, None, None), (32, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3))):
                 if layout == "hnd" and (splits, min_len) != (auto, 128):
                     continue
 
-                def call(i, splits=splits, min_len=min_len, bn=bn, warps=warps, stages=stages, prefetch=prefetch):
+                def call(i, splits=splits, min_len=min_len, bn=bn, warps=warps, stages=stages):
                     paged_decode_attention(q, k_cache, v_cache, tables[i % num_sets], seq_lens, 0.088, k_scale=0.5,
                                            v_scale=0.5, num_kv_splits=splits, min_split_len=min_len, block_n=bn,
-                                           num_warps=warps, num_stages=stages, prefetch=prefetch)
-                cfg = {"splits": splits, "min_split_len": min_len, "cfg": (bn, warps, stages) if bn else "default",
-                       "prefetch": "default" if prefetch is None else prefetch}
+                                           num_warps=warps, num_stages=stages)
+                cfg = {"splits": splits, "min_split_len": min_len, "cfg": (bn, warps, stages) if bn else "default"}
                 try:
                     ms = _graph_time_ms(call, 2 * num_sets)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
@@ -153,7 +151,7 @@ def attention_section(results: dict, batch: int, context: int) -> None:
                     continue
                 rows.append({**cfg, "us": round(ms * 1e3, 1), "gbs": round(kv_bytes / (ms * 1e-3) / 1e9, 1)})
             ok = [r for r in rows if "us" in r]
-            default = next(r for r in ok if r["splits"] == auto and r["cfg"] == "default" and r["prefetch"] == "default")
+            default = next(r for r in ok if r["splits"] == auto and r["cfg"] == "default")
             out[f"{name}_{layout}"] = {"kv_gb": round(kv_bytes / 1e9, 3), "auto_splits": auto, "default": default,
                                        "best": min(ok, key=lambda r: r["us"]), "all": rows}
             print(f"attention {name} {layout} b{batch} ctx{context}: default {default} best "

@@ -1,15 +1,15 @@
 """Paged decode attention: one query token per sequence over its paged K/V.
 
-Split-KV in two passes::
+Split-KV in one launch, grid (num_seqs, num_kv_heads, num_splits)::
 
-    pass 1, grid (num_seqs, num_kv_heads, num_splits):
-        one program = one sequence x one KV head x one slice of the context. It serves every
-        query head of the KV head's group at once (a [BLOCK_H, D] query tile), so each K/V tile
-        is read from memory once per group, and writes a partial output plus its log-sum-exp.
-    pass 2, grid (num_seqs, num_q_heads):
-        merges the num_splits partials by their log-sum-exp weights.
+    one program = one sequence x one KV head x one slice of the context. It serves every query
+    head of the KV head's group at once (a [BLOCK_H, D] query tile), so each K/V tile is read
+    from memory once per group, and writes a partial output plus its log-sum-exp. The last of
+    the (sequence, KV head)'s programs to finish (an atomic counter) merges the partials by
+    their log-sum-exp weights and resets the counter for the next launch.
 
-With num_splits == 1 pass 1 writes the final output and pass 2 is skipped.
+With num_splits == 1 the program writes the final output directly. A short context fills only
+the splits that `min_split_len` keys each allow; the others are empty and the merge skips them.
 
     context of a sequence, split into num_splits slices of whole BLOCK_N tiles:
     [ tile | tile | tile | tile | tile | tile | tile ]   (last tile partial: masked)
@@ -98,6 +98,8 @@ def _decode_split_kernel(
     out_ptr,  # [num_seqs, num_q_heads, head_dim]          (NUM_SPLITS == 1)
     part_o_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS, head_dim] fp32 (NUM_SPLITS > 1)
     part_lse_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] fp32, log2 domain
+    counters_ptr,  # [>= num_seqs * num_kv_heads] int32, zero between launches (NUM_SPLITS > 1)
+    num_kv_heads,
     sm_scale,  # softmax scale times the K dequant scale
     soft_cap,
     v_scale,
@@ -132,7 +134,6 @@ def _decode_split_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     FP16_DOTS: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -164,21 +165,9 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
-    if PREFETCH:
-        k_next, v_next, valid_next = _load_kv_tile(bt_row, k_base, v_base, lo, hi, first, stride_k_block, stride_k_tok,
-                                                   stride_v_block, stride_v_tok, offs_d, d_mask, BLOCK_N, PAGE_SIZE,
-                                                   USE_WINDOW)
     for n in range(lo, hi, BLOCK_N):
-        if PREFETCH:
-            # NOTE: the next tile's loads are issued before this tile's math. Triton's pipeliner
-            # prefetches only loads that feed a dot unchanged; fp8 K/V are widened first.
-            k, v, valid = k_next, v_next, valid_next
-            k_next, v_next, valid_next = _load_kv_tile(bt_row, k_base, v_base, n + BLOCK_N, hi, first, stride_k_block,
-                                                       stride_k_tok, stride_v_block, stride_v_tok, offs_d, d_mask,
-                                                       BLOCK_N, PAGE_SIZE, USE_WINDOW)
-        else:
-            k, v, valid = _load_kv_tile(bt_row, k_base, v_base, n, hi, first, stride_k_block, stride_k_tok,
-                                        stride_v_block, stride_v_tok, offs_d, d_mask, BLOCK_N, PAGE_SIZE, USE_WINDOW)
+        k, v, valid = _load_kv_tile(bt_row, k_base, v_base, n, hi, first, stride_k_block, stride_k_tok, stride_v_block,
+                                    stride_v_tok, offs_d, d_mask, BLOCK_N, PAGE_SIZE, USE_WINDOW)
         k = k.to(q.dtype)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_PREC, UPCAST)  # [BLOCK_H, BLOCK_N]
         if USE_SOFT_CAP:
@@ -208,58 +197,52 @@ def _decode_split_kernel(
             cast(o, out_ptr.dtype.element_ty),
             mask=hd_mask,
         )
-    elif split < num_active:
-        po = part_o_ptr + seq.to(tl.int64) * stride_po_seq + split * stride_po_split
-        tl.store(po + heads[:, None] * stride_po_head + offs_d[None, :], o, mask=hd_mask)
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head + split, lse, mask=h_mask)
+    else:
+        po = part_o_ptr + seq.to(tl.int64) * stride_po_seq + heads[:, None] * stride_po_head + offs_d[None, :]
+        pl = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head
+        if split < num_active:
+            tl.store(po + split * stride_po_split, o, mask=hd_mask)
+            tl.store(pl + split, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=h_mask)
+        # NOTE: every thread's partial is issued before the counter moves (the barrier), and the
+        # acq_rel atomic publishes them to, and orders the reads of, whichever program merges.
+        tl.debug_barrier()
+        counter = counters_ptr + seq * num_kv_heads + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+            denom = tl.zeros([BLOCK_H], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+            for i in range(0, num_active):
+                # NOTE: .cg reads L2, where the other programs' partials are, not a stale L1 line.
+                lse = tl.load(pl + i, mask=h_mask, other=float("-inf"), cache_modifier=".cg")
+                part = tl.load(po + i * stride_po_split, mask=hd_mask, other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m, lse)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split seen yet: weights 0
+                alpha = tl.exp2(m - m_ref)
+                w = tl.exp2(lse - m_ref)
+                denom = denom * alpha + w
+                acc = acc * alpha[:, None] + part * w[:, None]
+                m = m_new
+            o = acc * (v_scale / tl.where(denom > 0.0, denom, 1.0))[:, None]
+            tl.store(
+                out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
+                cast(o, out_ptr.dtype.element_ty),
+                mask=hd_mask,
+            )
+            tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
-@triton.jit
-def _decode_merge_kernel(
-    part_o_ptr,
-    part_lse_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    v_scale,
-    window,
-    stride_po_seq,
-    stride_po_head,
-    stride_po_split,
-    stride_pl_seq,
-    stride_pl_head,
-    stride_o_seq,
-    stride_o_head,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    MIN_TILES: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-):
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    _, _, _, num_active = _split_bounds(tl.load(seq_lens_ptr + seq), window, 0, NUM_SPLITS, BLOCK_N, MIN_TILES,
-                                        USE_WINDOW)
-    offs_s = tl.arange(0, NUM_SPLITS)
-    s_mask = offs_s < num_active  # partials of empty splits are never written
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
+_counters: dict[torch.device, list[torch.Tensor]] = {}
 
-    lse = tl.load(part_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + offs_s, mask=s_mask,
-                  other=float("-inf"))  # [NUM_SPLITS]
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
-    w = tl.exp2(lse - m)
-    denom = tl.sum(w, 0)
-    denom = tl.where(denom > 0.0, denom, 1.0)
-    o = tl.load(
-        part_o_ptr + seq * stride_po_seq + head * stride_po_head + offs_s[:, None] * stride_po_split + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # [NUM_SPLITS, BLOCK_D]
-    o = tl.sum(o * w[:, None], 0) * (v_scale / denom)
-    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d, cast(o, out_ptr.dtype.element_ty), mask=d_mask)
+
+def _split_counters(num: int, device: torch.device) -> torch.Tensor:
+    """At least `num` int32 merge counters on `device`, all zero (each launch leaves them so).
+
+    NOTE: a buffer is never freed or replaced in place: a captured CUDA graph keeps the address
+    it was captured with. The engine's warm-up runs each graph's launch before capturing it."""
+    buffers = _counters.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < num:
+        buffers.append(torch.zeros(max(num, 4096), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
@@ -293,7 +276,6 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    prefetch: bool | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's single query token over its whole paged context.
 
@@ -306,8 +288,7 @@ def paged_decode_attention(
     `max_seq_len`; without either the launcher reads `seq_lens.max()` (a device sync: pass one of
     them under CUDA-graph capture). A split takes at least `min_split_len` keys (rounded to whole
     tiles), so a short context fills fewer splits than asked and the merge reads only those.
-    `block_n`, `num_warps`, `num_stages` and `prefetch` (load the next K/V tile before this one's
-    math) override the tile config.
+    `block_n`, `num_warps`, `num_stages` override the tile config.
     """
     require(q.dim() == 3, f"q: expected [num_seqs, num_q_heads, head_dim], got {tuple(q.shape)}")
     num_seqs, num_q_heads, head_dim = q.shape
@@ -361,8 +342,6 @@ def paged_decode_attention(
         num_stages = num_stages or 3
     launch_opts = {} if is_interpreter() else {"num_warps": num_warps, "num_stages": num_stages}
     fp16_dots = k_cache.dtype == FP8_DTYPE and q.dtype != torch.float32
-    if prefetch is None:
-        prefetch = fp16_dots
     min_tiles = max(1, min_split_len // block_n)
 
     if num_kv_splits > 1:
@@ -382,6 +361,8 @@ def paged_decode_attention(
         out,
         part_o,
         part_lse,
+        _split_counters(num_seqs * num_kv_heads, q.device) if num_kv_splits > 1 else seq_lens,
+        num_kv_heads,
         float(scale) * float(k_scale),
         float(soft_cap or 1.0),
         float(v_scale),
@@ -416,30 +397,7 @@ def paged_decode_attention(
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=dot_upcast(),
         FP16_DOTS=fp16_dots,
-        PREFETCH=bool(prefetch),
         **launch_opts,
     )
-    if num_kv_splits > 1:
-        _decode_merge_kernel[(num_seqs, num_q_heads)](
-            part_o,
-            part_lse,
-            seq_lens,
-            out,
-            float(v_scale),
-            int(sliding_window or 0),
-            part_o.stride(0),
-            part_o.stride(1),
-            part_o.stride(2),
-            part_lse.stride(0),
-            part_lse.stride(1),
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_N=block_n,
-            NUM_SPLITS=num_kv_splits,
-            MIN_TILES=min_tiles,
-            USE_WINDOW=sliding_window is not None,
-        )
     return out
 

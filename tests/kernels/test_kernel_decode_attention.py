@@ -9,7 +9,7 @@ import pytest
 import torch
 from kernel_testlib import DEVICE, DTYPE_IDS, FP8_ATTN_TOL, ON_GPU, TOL, PagedKV, poisoned, rel_err
 
-from kernels import FP8_DTYPE, paged_decode_attention, paged_decode_attention_ref
+from kernels import FP8_DTYPE, decode_attention, paged_decode_attention, paged_decode_attention_ref
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -92,6 +92,9 @@ def test_decode_graph_split_count_on_short_contexts(window):
     # that 128-key minimum allows, and the merge must read those alone (the rest hold NaN in the
     # interpreter).
     run_case(64, 1, 4, 16, BF16, [0, 1, 40, 129, 300], splits=64, window=window, min_split_len=128)
+    # the last program of each (sequence, KV head) merged and left its counter at 0 for the next launch
+    counters = [c for buffers in decode_attention._counters.values() for c in buffers]
+    assert counters and all(int(c.count_nonzero()) == 0 for c in counters)
 
 
 def test_decode_strided_q():
