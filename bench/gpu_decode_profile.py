@@ -103,7 +103,7 @@ def attention_section(results: dict, batch: int, context: int) -> None:
     """Decode attention alone at batch x context: bf16 and fp8 K/V, the engine's [block, token, head, dim]
     cache layout ("nhd") against [block, head, token, dim] ("hnd", a strided view), over tile configs
     and split counts (the launcher's, and the 64 a CUDA graph captures
-    for long contexts, with and without the per-split minimum)."""
+    for long contexts)."""
     from kernels import FP8_DTYPE
     from kernels.decode_attention import MAX_KV_SPLITS, choose_num_kv_splits, paged_decode_attention
 
@@ -119,11 +119,7 @@ def attention_section(results: dict, batch: int, context: int) -> None:
     q = torch.randn(batch, num_q_heads, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
     out = {"batch": batch, "context": context, "copy_gbs": round(copy_gbs, 1)}
     auto = choose_num_kv_splits(batch, num_kv_heads, context, q.device)
-    split_cases = [(auto, 128)]
-    if batch <= 8:
-        split_cases += [(MAX_KV_SPLITS, 128), (MAX_KV_SPLITS, 1)]
-    elif auto == 1:
-        split_cases.append((2, 128))
+    split_cases = [auto] + ([MAX_KV_SPLITS] if batch <= 8 else [2] if auto == 1 else [])
     for name, dtype in (("bf16", torch.bfloat16), ("fp8", FP8_DTYPE)):
         for layout in ("nhd", "hnd"):
             shape = (num_blocks, page, num_kv_heads, head_dim) if layout == "nhd" else (num_blocks, num_kv_heads, page,
@@ -134,16 +130,16 @@ def attention_section(results: dict, batch: int, context: int) -> None:
             k_cache, v_cache = caches
             kv_bytes = 2 * batch * context * num_kv_heads * head_dim * k_cache.element_size()
             rows = []
-            for (splits, min_len), (bn, warps, stages) in itertools.product(
+            for splits, (bn, warps, stages) in itertools.product(
                     split_cases, ((None, None, None), (32, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3))):
-                if layout == "hnd" and (splits, min_len) != (auto, 128):
+                if layout == "hnd" and splits != auto:
                     continue
 
-                def call(i, splits=splits, min_len=min_len, bn=bn, warps=warps, stages=stages):
+                def call(i, splits=splits, bn=bn, warps=warps, stages=stages):
                     paged_decode_attention(q, k_cache, v_cache, tables[i % num_sets], seq_lens, 0.088, k_scale=0.5,
-                                           v_scale=0.5, num_kv_splits=splits, min_split_len=min_len, block_n=bn,
-                                           num_warps=warps, num_stages=stages)
-                cfg = {"splits": splits, "min_split_len": min_len, "cfg": (bn, warps, stages) if bn else "default"}
+                                           v_scale=0.5, num_kv_splits=splits, block_n=bn, num_warps=warps,
+                                           num_stages=stages)
+                cfg = {"splits": splits, "cfg": (bn, warps, stages) if bn else "default"}
                 try:
                     ms = _graph_time_ms(call, 2 * num_sets)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped

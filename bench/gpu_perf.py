@@ -53,7 +53,10 @@ def decode(loaded, results: dict, prompt_len: int = 128, new_tokens: int = 512) 
     roofline = bw * 1e9 / weight_bytes
     results["decode_roofline"] = {"copy_gbs": round(bw, 1), "weight_gb_per_step": round(weight_bytes / 1e9, 3),
                                   "roofline_tok_s": round(roofline, 1), "target_tok_s": 170}
-    for mode, eager, is_async in (("graphs", False, True), ("graphs_sync", False, False), ("eager", True, True)):
+    # graphs_nopdl: the kernels launched without programmatic dependent launch (kernels._common.pdl_args)
+    for mode, eager, is_async in (("graphs", False, True), ("graphs_nopdl", False, True), ("graphs_sync", False, False),
+                                  ("eager", True, True)):
+        os.environ["KERNELS_PDL"] = "0" if mode == "graphs_nopdl" else "1"
         engine = _engine(loaded, enforce_eager=eager, async_scheduling=is_async)
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         generate(engine, [_random_prompt(32, 9)], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
@@ -73,6 +76,7 @@ def decode(loaded, results: dict, prompt_len: int = 128, new_tokens: int = 512) 
         print(f"decode ({mode}):", results[f"decode_bf16_{mode}"], flush=True)
         del engine
         free_device_memory()
+    os.environ.pop("KERNELS_PDL")
 
 
 class _Timer:

@@ -9,6 +9,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # grid dependency control (programmatic dependent launch), Triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: PDL stays off
+    gdc_launch_dependents = gdc_wait = None
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, FP8_DTYPE)
@@ -111,3 +116,32 @@ def fp16_operand(q, sm_scale):
     amax = tl.max(tl.max(tl.abs(q32), 1), 0)
     q_mul = tl.where(amax > 0.0, 16384.0 / amax, 1.0)
     return (q32 * q_mul).to(tl.float16), sm_scale / q_mul
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: int) -> bool:
+    from triton.backends.nvidia.compiler import CUDAOptions  # noqa: PLC0415 - CUDA machines only
+
+    return (gdc_wait is not None and "launch_pdl" in CUDAOptions.__dataclass_fields__
+            and torch.cuda.get_device_capability(index) >= (9, 0))
+
+
+def pdl_args(device: torch.device) -> dict:
+    """Launch arguments for a kernel that starts with `pdl_enter(USE_PDL)`.
+
+    On Hopper and later a kernel launched with programmatic dependent launch is scheduled while
+    the previous kernel's last programs still run, and waits in `pdl_enter` for its results: a
+    decode step's ~300 small kernels lose most of their launch gaps. `KERNELS_PDL=0` turns it off."""
+    on = (device.type == "cuda" and not is_interpreter() and os.environ.get("KERNELS_PDL", "1") != "0"
+          and _pdl_capable(device.index if device.index is not None else torch.cuda.current_device()))
+    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
+
+
+@triton.jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """First statement of a kernel launched with `pdl_args`: wait for the previous kernel's
+    results (and the end of its reads, before this kernel writes anything), then let the next
+    kernel be scheduled."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -1,15 +1,17 @@
 """Paged decode attention: one query token per sequence over its paged K/V.
 
-Split-KV in one launch, grid (num_seqs, num_kv_heads, num_splits)::
+Split-KV in two passes::
 
-    one program = one sequence x one KV head x one slice of the context. It serves every query
-    head of the KV head's group at once (a [BLOCK_H, D] query tile), so each K/V tile is read
-    from memory once per group, and writes a partial output plus its log-sum-exp. The last of
-    the (sequence, KV head)'s programs to finish (an atomic counter) merges the partials by
-    their log-sum-exp weights and resets the counter for the next launch.
+    pass 1, grid (num_seqs, num_kv_heads, num_splits):
+        one program = one sequence x one KV head x one slice of the context. It serves every
+        query head of the KV head's group at once (a [BLOCK_H, D] query tile), so each K/V tile
+        is read from memory once per group, and writes a partial output plus its log-sum-exp.
+    pass 2, grid (num_seqs, num_q_heads):
+        merges the num_splits partials by their log-sum-exp weights.
 
-With num_splits == 1 the program writes the final output directly. A short context fills only
-the splits that `min_split_len` keys each allow; the others are empty and the merge skips them.
+With num_splits == 1 pass 1 writes the final output and pass 2 is skipped. A CUDA graph fixes
+num_splits for the longest context; a shorter one leaves trailing splits empty (never written),
+and pass 2 reads only the splits that hold a partial.
 
     context of a sequence, split into num_splits slices of whole BLOCK_N tiles:
     [ tile | tile | tile | tile | tile | tile | tile ]   (last tile partial: masked)
@@ -34,6 +36,8 @@ from kernels._common import (
     mma,
     next_pow2,
     num_sms,
+    pdl_args,
+    pdl_enter,
     require,
     require_dtype,
     require_inner_contiguous,
@@ -53,17 +57,16 @@ def _tanh(x):
 
 
 @triton.jit
-def _split_bounds(seq_len, window, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
-                  USE_WINDOW: tl.constexpr):
+def _split_bounds(seq_len, window, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr):
     """(first visible key, [lo, hi) of this split, number of non-empty splits) of one sequence."""
     first = seq_len * 0
     if USE_WINDOW:
         first = tl.maximum(seq_len - window, 0)
     start = (first // BLOCK_N) * BLOCK_N
     num_tiles = tl.cdiv(seq_len - start, BLOCK_N)
-    # NOTE: a CUDA graph fixes NUM_SPLITS for the longest context it may meet; a short context
-    # keeps MIN_TILES a split and leaves the rest empty, so the merge reads only the splits it filled.
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), MIN_TILES)
+    # NOTE: a CUDA graph fixes NUM_SPLITS for the longest context it may meet: a short context
+    # fills fewer splits (one tile each), and the merge reads only those.
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), 1)  # 1 for an empty context: no 0 / 0
     num_active = tl.cdiv(num_tiles, tiles_per_split)
     lo = start + split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
@@ -98,8 +101,6 @@ def _decode_split_kernel(
     out_ptr,  # [num_seqs, num_q_heads, head_dim]          (NUM_SPLITS == 1)
     part_o_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS, head_dim] fp32 (NUM_SPLITS > 1)
     part_lse_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] fp32, log2 domain
-    counters_ptr,  # [>= num_seqs * num_kv_heads] int32, zero between launches (NUM_SPLITS > 1)
-    num_kv_heads,
     sm_scale,  # softmax scale times the K dequant scale
     soft_cap,
     v_scale,
@@ -128,19 +129,20 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    MIN_TILES: tl.constexpr,  # fewest tiles a non-empty split takes
     USE_WINDOW: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     FP16_DOTS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    first, lo, hi, num_active = _split_bounds(seq_len, window, split, NUM_SPLITS, BLOCK_N, MIN_TILES, USE_WINDOW)
+    first, lo, hi, num_active = _split_bounds(seq_len, window, split, NUM_SPLITS, BLOCK_N, USE_WINDOW)
 
     offs_h = tl.arange(0, BLOCK_H)
     heads = kv_head * group + offs_h
@@ -197,52 +199,58 @@ def _decode_split_kernel(
             cast(o, out_ptr.dtype.element_ty),
             mask=hd_mask,
         )
-    else:
-        po = part_o_ptr + seq.to(tl.int64) * stride_po_seq + heads[:, None] * stride_po_head + offs_d[None, :]
-        pl = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head
-        if split < num_active:
-            tl.store(po + split * stride_po_split, o, mask=hd_mask)
-            tl.store(pl + split, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=h_mask)
-        # NOTE: every thread's partial is issued before the counter moves (the barrier), and the
-        # acq_rel atomic publishes them to, and orders the reads of, whichever program merges.
-        tl.debug_barrier()
-        counter = counters_ptr + seq * num_kv_heads + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-            denom = tl.zeros([BLOCK_H], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-            for i in range(0, num_active):
-                # NOTE: .cg reads L2, where the other programs' partials are, not a stale L1 line.
-                lse = tl.load(pl + i, mask=h_mask, other=float("-inf"), cache_modifier=".cg")
-                part = tl.load(po + i * stride_po_split, mask=hd_mask, other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m, lse)
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split seen yet: weights 0
-                alpha = tl.exp2(m - m_ref)
-                w = tl.exp2(lse - m_ref)
-                denom = denom * alpha + w
-                acc = acc * alpha[:, None] + part * w[:, None]
-                m = m_new
-            o = acc * (v_scale / tl.where(denom > 0.0, denom, 1.0))[:, None]
-            tl.store(
-                out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
-                cast(o, out_ptr.dtype.element_ty),
-                mask=hd_mask,
-            )
-            tl.atomic_xchg(counter, 0, sem="relaxed")
+    elif split < num_active:
+        po = part_o_ptr + seq.to(tl.int64) * stride_po_seq + split * stride_po_split
+        tl.store(po + heads[:, None] * stride_po_head + offs_d[None, :], o, mask=hd_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head + split, lse, mask=h_mask)
 
 
-_counters: dict[torch.device, list[torch.Tensor]] = {}
+@triton.jit
+def _decode_merge_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    v_scale,
+    window,
+    stride_po_seq,
+    stride_po_head,
+    stride_po_split,
+    stride_pl_seq,
+    stride_pl_head,
+    stride_o_seq,
+    stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_enter(USE_PDL)
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    _, _, _, num_active = _split_bounds(tl.load(seq_lens_ptr + seq), window, 0, NUM_SPLITS, BLOCK_N, USE_WINDOW)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    s_mask = offs_s < num_active  # partials of empty splits are never written
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
 
-
-def _split_counters(num: int, device: torch.device) -> torch.Tensor:
-    """At least `num` int32 merge counters on `device`, all zero (each launch leaves them so).
-
-    NOTE: a buffer is never freed or replaced in place: a captured CUDA graph keeps the address
-    it was captured with. The engine's warm-up runs each graph's launch before capturing it."""
-    buffers = _counters.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < num:
-        buffers.append(torch.zeros(max(num, 4096), dtype=torch.int32, device=device))
-    return buffers[-1]
+    lse = tl.load(part_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + offs_s, mask=s_mask,
+                  other=float("-inf"))  # [NUM_SPLITS]
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    denom = tl.where(denom > 0.0, denom, 1.0)
+    o = tl.load(
+        part_o_ptr + seq * stride_po_seq + head * stride_po_head + offs_s[:, None] * stride_po_split + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [NUM_SPLITS, BLOCK_D]
+    o = tl.sum(o * w[:, None], 0) * (v_scale / denom)
+    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d, cast(o, out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
@@ -272,7 +280,6 @@ def paged_decode_attention(
     soft_cap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    min_split_len: int = MIN_TOKENS_PER_SPLIT,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -286,9 +293,7 @@ def paged_decode_attention(
 
     `num_kv_splits` (a power of two <= 64) defaults to `choose_num_kv_splits(...)`, which needs
     `max_seq_len`; without either the launcher reads `seq_lens.max()` (a device sync: pass one of
-    them under CUDA-graph capture). A split takes at least `min_split_len` keys (rounded to whole
-    tiles), so a short context fills fewer splits than asked and the merge reads only those.
-    `block_n`, `num_warps`, `num_stages` override the tile config.
+    them under CUDA-graph capture). `block_n`, `num_warps`, `num_stages` override the tile config.
     """
     require(q.dim() == 3, f"q: expected [num_seqs, num_q_heads, head_dim], got {tuple(q.shape)}")
     num_seqs, num_q_heads, head_dim = q.shape
@@ -342,7 +347,6 @@ def paged_decode_attention(
         num_stages = num_stages or 3
     launch_opts = {} if is_interpreter() else {"num_warps": num_warps, "num_stages": num_stages}
     fp16_dots = k_cache.dtype == FP8_DTYPE and q.dtype != torch.float32
-    min_tiles = max(1, min_split_len // block_n)
 
     if num_kv_splits > 1:
         # NOTE: NaN in the interpreter, so that a merge reading a split nobody wrote fails the tests.
@@ -361,8 +365,6 @@ def paged_decode_attention(
         out,
         part_o,
         part_lse,
-        _split_counters(num_seqs * num_kv_heads, q.device) if num_kv_splits > 1 else seq_lens,
-        num_kv_heads,
         float(scale) * float(k_scale),
         float(soft_cap or 1.0),
         float(v_scale),
@@ -391,13 +393,35 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         PAGE_SIZE=page_size,
         NUM_SPLITS=num_kv_splits,
-        MIN_TILES=min_tiles,
         USE_WINDOW=sliding_window is not None,
         USE_SOFT_CAP=soft_cap is not None,
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=dot_upcast(),
         FP16_DOTS=fp16_dots,
         **launch_opts,
+        **pdl_args(q.device),
     )
+    if num_kv_splits > 1:
+        _decode_merge_kernel[(num_seqs, num_q_heads)](
+            part_o,
+            part_lse,
+            seq_lens,
+            out,
+            float(v_scale),
+            int(sliding_window or 0),
+            part_o.stride(0),
+            part_o.stride(1),
+            part_o.stride(2),
+            part_lse.stride(0),
+            part_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_N=block_n,
+            NUM_SPLITS=num_kv_splits,
+            USE_WINDOW=sliding_window is not None,
+            **pdl_args(q.device),
+        )
     return out
 

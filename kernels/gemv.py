@@ -22,6 +22,8 @@ from kernels._common import (
     cast,
     is_interpreter,
     next_pow2,
+    pdl_args,
+    pdl_enter,
     require,
     require_dtype,
     require_inner_contiguous,
@@ -54,7 +56,9 @@ def _gemv_kernel(
     GATED: tl.constexpr,  # x rows are [gate (K) | up (K)]; the input is silu(gate) * up
     NORM: tl.constexpr,  # the input is rms_norm(x) * nw
     RESIDUAL: tl.constexpr,  # the output is x @ w.T + residual
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -191,7 +195,7 @@ def gemv(
         residual if residual is not None else out, n, k, eps, x.stride(0), w.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0,
         M=num_rows, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None,
-        GATED=gated, NORM=norm_weight is not None, RESIDUAL=residual is not None, **opts)
+        GATED=gated, NORM=norm_weight is not None, RESIDUAL=residual is not None, **opts, **pdl_args(x.device))
     return out
 
 

@@ -16,6 +16,8 @@ from kernels._common import (
     FP8_DTYPE,
     FP8_MAX,
     is_interpreter,
+    pdl_args,
+    pdl_enter,
     next_pow2,
     require,
     require_dtype,
@@ -102,7 +104,9 @@ def _kv_write_kernel(
     PAGE_SIZE: tl.constexpr,
     QUANT: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     _store_row(k_ptr, k_cache_ptr, token, slot, k_scale, stride_k_tok, stride_k_head,
@@ -173,6 +177,7 @@ def write_kv_cache(
         PAGE_SIZE=k_cache.shape[1],
         QUANT=quant,
         EXACT_ROUND=quant and is_interpreter(),
+        **pdl_args(k.device),
     )
 
 

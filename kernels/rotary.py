@@ -23,6 +23,8 @@ from kernels._common import (
     ACT_DTYPES,
     is_interpreter,
     next_pow2,
+    pdl_args,
+    pdl_enter,
     require,
     require_dtype,
     require_inner_contiguous,
@@ -81,7 +83,9 @@ def _rotary_kernel(
     BLOCK_HALF: tl.constexpr,
     IS_NEOX: tl.constexpr,
     HAS_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     offs_i = tl.arange(0, BLOCK_HALF)
@@ -149,6 +153,7 @@ def apply_rotary(
         IS_NEOX=is_neox,
         HAS_K=k is not None,
         **opts,
+        **pdl_args(q.device),
     )
 
 
