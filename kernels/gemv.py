@@ -58,15 +58,11 @@ def _gemv_kernel(
     RESIDUAL: tl.constexpr,  # the output is x @ w.T + residual
     USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-    # NOTE: no kernel of the step writes a weight, so the first weight tile is requested before
-    # waiting for the previous kernel: under programmatic dependent launch the weight stream
-    # starts while that kernel's last programs still run.
-    w_first = _load_w(w_rows, offs_k, K, mask_n, EVEN_K)
-    pdl_enter(USE_PDL)
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -80,8 +76,11 @@ def _gemv_kernel(
     sq3 = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
-        # the first tile is w_first: this load is fully masked (no memory traffic) at k0 == 0
-        w = tl.where(k0 == 0, w_first, _load_w(w_rows, k, K, mask_n & (k0 != 0), EVEN_K)).to(tl.float32)
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :], mask=mask_n[:, None], other=0.0).to(tl.float32)
+        else:
+            mask_k = k < K
+            w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         if NORM:
             nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
         else:
@@ -114,14 +113,6 @@ def _gemv_kernel(
     if M > 3:
         _store_row(y_ptr + 3 * stride_ym, r_ptr + 3 * stride_rm, acc3, sq3, K, eps, bias, offs_n, mask_n, NORM,
                    RESIDUAL)
-
-
-@triton.jit
-def _load_w(w_rows, k, K, mask_n, EVEN_K: tl.constexpr):
-    """Weight columns k of the program's rows, as stored ([BLOCK_N, BLOCK_K])."""
-    if EVEN_K:
-        return tl.load(w_rows + k[None, :], mask=mask_n[:, None], other=0.0)
-    return tl.load(w_rows + k[None, :], mask=mask_n[:, None] & (k < K)[None, :], other=0.0)
 
 
 @triton.jit
