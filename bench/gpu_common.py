@@ -68,6 +68,7 @@ class GpuStepTimer:
     def __init__(self, engine):
         self.events: list[tuple] = []
         self.kinds: list[str] = []
+        self.num_seqs: list[int] = []
         runner = engine.model_runner
         launch = runner.launch
 
@@ -79,6 +80,7 @@ class GpuStepTimer:
             end.record()
             self.events.append((start, end))
             self.kinds.append("decode" if all(s.num_new_tokens == 1 for s in scheduled) else "mixed")
+            self.num_seqs.append(len(scheduled))
             return out
 
         runner.launch = timed_launch
@@ -86,10 +88,17 @@ class GpuStepTimer:
     def clear(self) -> None:
         self.events.clear()
         self.kinds.clear()
+        self.num_seqs.clear()
 
     def gpu_ms(self) -> list[float]:
         torch.cuda.synchronize()
         return [a.elapsed_time(b) for a, b in self.events]
+
+    def idle_ms(self) -> list[float]:
+        """GPU idle time before each step: from the previous step's end to this one's start on the
+        stream (0 for the first step; ~0 when the host launched it in time)."""
+        torch.cuda.synchronize()
+        return [0.0] + [max(0.0, prev[1].elapsed_time(cur[0])) for prev, cur in zip(self.events, self.events[1:])]
 
 
 def copy_bandwidth_gbs(num_bytes: int = 2**30) -> float:
@@ -139,6 +148,7 @@ def matmul_tflops(n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
 def free_device_memory() -> None:
     import gc
 
+    gc.unfreeze()  # objects frozen with an engine (gc_heap.freeze_startup_heap) become collectable again
     gc.collect()
     if DEVICE != "cpu":
         torch.cuda.synchronize()

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import time
@@ -24,6 +25,7 @@ import gpu_common as common
 from gpu_common import CONFIGS, copy_bandwidth_gbs, free_device_memory, generate, make_engine, matmul_tflops, sync
 from gpu_common import weight_bytes_per_step
 
+from inference_service.engine.gc_heap import freeze_startup_heap
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.model_runner import LaunchedStep
 from inference_service.engine.sampler import SamplingBatch
@@ -38,9 +40,12 @@ def load_llama(config: str = "llama-3-8b"):
 
 
 def _engine(loaded, **kwargs) -> LLMEngine:
+    """An engine as the server runs it: built, then the heap frozen (`free_device_memory` unfreezes)."""
     kv_mib = None if common.DEVICE != "cpu" else 1024
-    return make_engine(loaded.model_path, common.DEVICE, "bfloat16", load_format="dummy", loaded=loaded, kv_mib=kv_mib,
-                       **kwargs)
+    engine = make_engine(loaded.model_path, common.DEVICE, "bfloat16", load_format="dummy", loaded=loaded,
+                         kv_mib=kv_mib, **kwargs)
+    freeze_startup_heap()
+    return engine
 
 
 def _random_prompt(n: int, seed: int) -> list[int]:
@@ -178,6 +183,48 @@ def ttft(loaded, results: dict) -> None:
     free_device_memory()
 
 
+class _GcPauses:
+    """A `gc.callbacks` hook: the time the collector stops the program, by generation."""
+
+    def __init__(self):
+        self.seconds = [0.0, 0.0, 0.0]
+        self.counts = [0, 0, 0]
+        self.longest_ms = 0.0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._start
+        self.seconds[info["generation"]] += pause
+        self.counts[info["generation"]] += 1
+        self.longest_ms = max(self.longest_ms, pause * 1e3)
+
+    def summary(self) -> dict:
+        return {"pause_s_by_gen": [round(x, 3) for x in self.seconds], "collections_by_gen": self.counts,
+                "longest_ms": round(self.longest_ms, 2)}
+
+
+def _full_collection_ms() -> float:
+    start = time.perf_counter()
+    gc.collect()
+    return round((time.perf_counter() - start) * 1e3, 2)
+
+
+def _idle_gaps(idle_ms: list[float], gpu_timer) -> dict:
+    """Where the GPU waited for the host: idle time by size of gap, and the longest gaps with their steps."""
+    buckets = {"lt_0.1ms": 0.0, "0.1_1ms": 0.0, "1_10ms": 0.0, "ge_10ms": 0.0}
+    for gap in idle_ms:
+        key = "lt_0.1ms" if gap < 0.1 else "0.1_1ms" if gap < 1 else "1_10ms" if gap < 10 else "ge_10ms"
+        buckets[key] += gap / 1e3
+    longest = sorted(range(len(idle_ms)), key=idle_ms.__getitem__, reverse=True)[:8]
+    return {"seconds_by_gap": {k: round(v, 2) for k, v in buckets.items()},
+            "longest": [{"step": i, "idle_ms": round(idle_ms[i], 2), "kind": gpu_timer.kinds[i],
+                         "prev_kind": gpu_timer.kinds[i - 1] if i else None, "num_seqs": gpu_timer.num_seqs[i]}
+                        for i in longest]}
+
+
 def offline(loaded, results: dict, num_requests: int, prompt_len: int = 1000, output_len: int = 1000,
             kv_cache_dtype: str = "auto", max_num_seqs: int = 256, time_limit_s: float = 240.0) -> None:
     engine = _engine(loaded, kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
@@ -186,30 +233,44 @@ def offline(loaded, results: dict, num_requests: int, prompt_len: int = 1000, ou
     for i in range(num_requests):
         engine.add_request(engine.input_processor.process(f"o{i}", _random_prompt(prompt_len, 1000 + i), params))
     gpu_timer = common.GpuStepTimer(engine) if common.DEVICE != "cpu" else None
+    host = _Timer()
+    engine.scheduler.schedule = host.wrap("schedule", engine.scheduler.schedule)
+    engine.model_runner.inputs.prepare = host.wrap("prepare_inputs", engine.model_runner.inputs.prepare)
+    engine.update_from_output = host.wrap("update_from_output", engine.update_from_output)
+    gc_pauses = _GcPauses()
+    gc.callbacks.append(gc_pauses)
     t0 = time.perf_counter()
     num_out, steps, walls = 0, 0, []
-    while engine.has_unfinished and time.perf_counter() - t0 < time_limit_s:
-        num_out += sum(len(d.token_ids) for d in engine.step())
-        steps += 1
-        walls.append(time.perf_counter())
+    try:
+        while engine.has_unfinished and time.perf_counter() - t0 < time_limit_s:
+            num_out += sum(len(d.token_ids) for d in engine.step())
+            steps += 1
+            walls.append(time.perf_counter())
+    finally:
+        gc.callbacks.remove(gc_pauses)
     elapsed = time.perf_counter() - t0
     # Step i's wall time is the call that launched step i+1 and waited for step i (async scheduling).
     split = {}
     if gpu_timer:
-        gpu = gpu_timer.gpu_ms()
+        gpu, idle = gpu_timer.gpu_ms(), gpu_timer.idle_ms()
         wall_ms = [(b - a) * 1e3 for a, b in zip(walls, walls[1:])]
         for kind in ("decode", "mixed"):
             idx = [i for i, k in enumerate(gpu_timer.kinds[:len(wall_ms)]) if k == kind]
             split[kind] = {"steps": len(idx), "gpu_s": round(sum(gpu[i] for i in idx) / 1e3, 1),
-                           "wall_s": round(sum(wall_ms[i] for i in idx) / 1e3, 1)}
+                           "wall_s": round(sum(wall_ms[i] for i in idx) / 1e3, 1),
+                           "gpu_idle_before_s": round(sum(idle[i] for i in idx) / 1e3, 2)}
+        split["idle_gaps"] = _idle_gaps(idle, gpu_timer)
     key = f"offline_{'fp8' if kv_cache_dtype == 'fp8' else 'bf16'}_kv_seqs{max_num_seqs}"
     results[key] = {
         "requests": num_requests, "max_num_seqs": max_num_seqs, "prompt_tokens": prompt_len, "output_tokens": output_len,
         "finished": not engine.has_unfinished, "elapsed_s": round(elapsed, 1), "output_tokens_done": num_out,
         "steps": steps, "output_tok_s": round(num_out / elapsed, 1), "preemptions": engine.scheduler.num_preemptions,
         "kv_blocks": engine.model_runner.num_blocks, "target_tok_s": 10000 if kv_cache_dtype == "fp8" else 7000,
-        "by_step_kind": split,
+        "by_step_kind": split, "host_s": {k: round(v, 2) for k, v in host.totals.items()}, "gc": gc_pauses.summary(),
     }
+    results[key]["gc"]["full_collection_ms"] = {"frozen": _full_collection_ms()}
+    gc.unfreeze()
+    results[key]["gc"]["full_collection_ms"]["unfrozen"] = _full_collection_ms()
     print(f"offline ({kv_cache_dtype} KV):", results[key], flush=True)
     del engine
     free_device_memory()

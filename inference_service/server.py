@@ -18,6 +18,7 @@ from inference_service.api import pb, pb_grpc
 from inference_service.config import EngineConfig, ServerConfig
 from inference_service.engine.async_engine import AsyncEngine
 from inference_service.engine.embedding_engine import create_embedding_engine
+from inference_service.engine.gc_heap import freeze_startup_heap
 from inference_service.engine.llm_engine import LLMEngine, resolve_device, resolve_dtype
 from inference_service.errors import EngineError, InvalidRequestError
 from inference_service.model.loader import load_model
@@ -199,6 +200,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
     """Runs the server until SIGTERM or SIGINT, then shuts down gracefully."""
     server = EngineServer(engine_config, server_config)
     await server.start()
+    freeze_startup_heap()  # one server a process: nothing frozen here is ever dropped
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_shutdown)

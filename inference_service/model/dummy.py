@@ -3,10 +3,9 @@
 For benchmarking without checkpoints (nothing can be downloaded on the benchmark machines). The
 folder needs only `config.json`; `bench/configs/` ships Llama-3-8B, Qwen3-8B and Qwen2.5-0.5B.
 
-Weights: every matrix ~ N(0, 0.02²) from one seeded CPU generator, parameter by parameter in a fixed
-order, then copied to the device: the same seed gives the same weights on the CPU and on a GPU (so
-the two engines can be compared on any architecture), at the cost of drawing on the host (about 8 s
-for 8B parameters on 16 cores). Biases 0, RMSNorm weights 1. The logits of such a model are
+Weights: every matrix ~ N(0, 0.02²) from seeded CPU generators (one per 16M values, drawn on all
+cores), then copied to the device: the same seed gives the same weights on the CPU and on a GPU (so
+the two engines can be compared on any architecture). Biases 0, RMSNorm weights 1. The logits of such a model are
 near-uniform noise: useful for speed and for engine-vs-engine checks, not for text.
 
 Tokenizer: the folder's own `tokenizer.json` when it has one, else a byte-level tokenizer of 258
@@ -19,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
@@ -31,6 +31,7 @@ from inference_service.model.decoder import DecoderModel
 from inference_service.model.tokenizer import _BYTE_ENCODER, Tokenizer
 
 DUMMY_WEIGHT_STD = 0.02
+_DRAW_CHUNK = 1 << 24  # values a generator draws
 BYTE_BOS, BYTE_EOS = "<|begin_of_text|>", "<|end_of_text|>"
 _CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -47,16 +48,32 @@ def read_dummy_config(path: str) -> ModelConfig:
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = DUMMY_WEIGHT_STD) -> None:
     """Fill every parameter in place: norms 1, biases 0, matrices N(0, std²) drawn in fp32 on the CPU
-    (device-independent) and cast to the parameter's dtype on its device."""
-    gen = torch.Generator().manual_seed(seed)
+    (device-independent) and cast to the parameter's dtype on its device.
+
+    Each run of `_DRAW_CHUNK` values of a matrix has its own generator, seeded from (seed, parameter
+    index, chunk index): the values do not depend on the thread count, and the chunks are drawn on
+    every core at once (one generator draws serially: 8B values took about a minute)."""
+    jobs = []
     with torch.no_grad():
-        for name, param in model.named_parameters():  # tied weights appear once
+        for index, (name, param) in enumerate(model.named_parameters()):  # tied weights appear once
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()
             else:
-                param.copy_(torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+                flat = param.view(-1)
+                for chunk, start in enumerate(range(0, flat.numel(), _DRAW_CHUNK)):
+                    jobs.append((flat[start:start + _DRAW_CHUNK], (seed * 1_000_003 + index) * 65_537 + chunk))
+
+    def draw(job: tuple[torch.Tensor, int]) -> None:
+        out, chunk_seed = job
+        generator = torch.Generator().manual_seed(chunk_seed)
+        values = torch.empty(out.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+        with torch.no_grad():
+            out.copy_(values)
+
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        list(pool.map(draw, jobs))  # list(): re-raises a worker's exception
 
 
 def byte_tokenizer() -> Tokenizer:

@@ -116,3 +116,17 @@ def test_engine_generates_on_dummy_weights(tmp_path, dtype):
     assert [len(t) for t in together.values()] == [6, 6]
     assert all(0 <= t < 300 for tokens in together.values() for t in tokens)
     assert generate(engines[1], prompts[1:])["r0"] == together["r1"]  # fresh engine, batch of one
+
+
+def test_dummy_weights_independent_of_thread_count(tmp_path, monkeypatch):
+    import inference_service.model.dummy as dummy
+
+    path = write_config(tmp_path, "llama")
+    monkeypatch.setattr(dummy, "_DRAW_CHUNK", 1000)  # every matrix spans several chunks
+    weights = []
+    for cores in (1, 3):
+        monkeypatch.setattr(dummy.os, "cpu_count", lambda cores=cores: cores)
+        weights.append(load_model(path, load_format="dummy", seed=7).model.model.embed_tokens.weight.clone())
+    assert torch.equal(weights[0], weights[1])
+    flat = weights[0].view(-1)
+    assert not torch.equal(flat[:1000], flat[1000:2000])  # each chunk has its own generator
