@@ -99,7 +99,11 @@ def gemv_section(results: dict) -> None:
     results["gemv"] = out
 
 
-def attention_section(results: dict, batch: int, context: int) -> None:
+ATTENTION_CONFIGS = ((None, None, None), (32, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3))
+
+
+def attention_section(results: dict, batch: int, context: int, configs=ATTENTION_CONFIGS,
+                      layouts: tuple[str, ...] = ("nhd", "hnd")) -> None:
     """Decode attention alone at batch x context: bf16 and fp8 K/V, the engine's [block, token, head, dim]
     cache layout ("nhd") against [block, head, token, dim] ("hnd", a strided view), over tile configs
     and split counts (the launcher's, and the 64 a CUDA graph captures
@@ -121,7 +125,7 @@ def attention_section(results: dict, batch: int, context: int) -> None:
     auto = choose_num_kv_splits(batch, num_kv_heads, context, q.device)
     split_cases = [auto] + ([MAX_KV_SPLITS] if batch <= 8 else [2] if auto == 1 else [])
     for name, dtype in (("bf16", torch.bfloat16), ("fp8", FP8_DTYPE)):
-        for layout in ("nhd", "hnd"):
+        for layout in layouts:
             shape = (num_blocks, page, num_kv_heads, head_dim) if layout == "nhd" else (num_blocks, num_kv_heads, page,
                                                                                           head_dim)
             caches = [torch.randn(shape, device="cuda", generator=gen).to(dtype) for _ in range(2)]
@@ -131,7 +135,7 @@ def attention_section(results: dict, batch: int, context: int) -> None:
             kv_bytes = 2 * batch * context * num_kv_heads * head_dim * k_cache.element_size()
             rows = []
             for splits, (bn, warps, stages) in itertools.product(
-                    split_cases, ((None, None, None), (32, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3))):
+                    split_cases, configs):
                 if layout == "hnd" and splits != auto:
                     continue
 
@@ -223,15 +227,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="running sequences in the profiled decode steps")
     parser.add_argument("--attention-shapes", default="",
                         help="BxC,... shapes of the attention section (default: --batch x --context)")
+    parser.add_argument("--attention-configs", default="",
+                        help="block_n,warps,stages;... tile configs of the attention section besides the default")
+    parser.add_argument("--attention-layouts", default="nhd,hnd", help="cache layouts of the attention section")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens of each profiled sequence")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8 (profile section)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    configs = ATTENTION_CONFIGS
+    if args.attention_configs:
+        configs = ((None, None, None),) + tuple(tuple(map(int, c.split(","))) for c in args.attention_configs.split(";"))
+    layouts = tuple(args.attention_layouts.split(","))
     results = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("COMMIT", "unknown"),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     sections = {"gemv": gemv_section,
-                "attention": lambda r: [attention_section(r, *map(int, shape.split("x"))) for shape in
-                                        (args.attention_shapes or f"{args.batch}x{args.context}").split(",")],
+                "attention": lambda r: [attention_section(r, *map(int, shape.split("x")), configs, layouts)
+                                        for shape in (args.attention_shapes or f"{args.batch}x{args.context}").split(",")],
                 "profile": lambda r: profile_section(r, args.out, batch=args.batch, context=args.context,
                                                      kv_cache_dtype=args.kv_cache_dtype)}
     for name in args.only.split(","):

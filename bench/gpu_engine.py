@@ -196,6 +196,8 @@ def main() -> None:
     parser.add_argument("--offline-max-num-seqs", default="",
                         help="comma-separated: one offline run each (default: 256 with the bf16 KV cache, 384 with "
                              "fp8, whose twice as many blocks hold 384 sequences of 2000 tokens without preemption)")
+    parser.add_argument("--decode-modes", default=",".join(gpu_perf.DECODE_MODES),
+                        help="comma-separated modes of the decode section")
     parser.add_argument("--llama-config", default="llama-3-8b", help="folder under bench/configs for the perf sections")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     parser.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per correctness prompt")
@@ -231,7 +233,7 @@ def main() -> None:
     if (only & llama_sections if only else llama_sections - skip):
         loaded, load_s = gpu_perf.load_llama(args.llama_config)
         results["llama_load_seconds"] = round(load_s, 1)
-        section("decode", gpu_perf.decode, loaded, results)
+        section("decode", gpu_perf.decode, loaded, results, modes=tuple(args.decode_modes.split(",")))
         section("cpu_step", gpu_perf.cpu_step, loaded, results)
         section("ttft", gpu_perf.ttft, loaded, results)
         prompt_len, output_len = map(int, args.offline_lens.split(","))

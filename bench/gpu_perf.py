@@ -52,15 +52,20 @@ def _random_prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 128000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def decode(loaded, results: dict, prompt_len: int = 128, new_tokens: int = 512) -> None:
+DECODE_MODES = {"graphs": (False, True), "graphs_nopdl": (False, True), "graphs_sync": (False, False),
+                "eager": (True, True)}  # mode: (enforce_eager, async_scheduling)
+
+
+def decode(loaded, results: dict, prompt_len: int = 128, new_tokens: int = 512,
+           modes: tuple[str, ...] = tuple(DECODE_MODES)) -> None:
     bw = copy_bandwidth_gbs()
     weight_bytes = weight_bytes_per_step(loaded.model)
     roofline = bw * 1e9 / weight_bytes
     results["decode_roofline"] = {"copy_gbs": round(bw, 1), "weight_gb_per_step": round(weight_bytes / 1e9, 3),
                                   "roofline_tok_s": round(roofline, 1), "target_tok_s": 170}
     # graphs_nopdl: the kernels launched without programmatic dependent launch (kernels._common.pdl_args)
-    for mode, eager, is_async in (("graphs", False, True), ("graphs_nopdl", False, True), ("graphs_sync", False, False),
-                                  ("eager", True, True)):
+    for mode in modes:
+        eager, is_async = DECODE_MODES[mode]
         os.environ["KERNELS_PDL"] = "0" if mode == "graphs_nopdl" else "1"
         engine = _engine(loaded, enforce_eager=eager, async_scheduling=is_async)
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)

@@ -237,7 +237,12 @@ class DecoderModel(nn.Module):
         self._pack_linears()
 
     def _pack_linears(self) -> None:
-        """Re-lay every projection out for the CPU matmul kernels once the weights are in."""
+        """Re-lay every projection out for the CPU matmul kernels once the weights are in.
+
+        NOTE: not on the fused path: its kernels read `weight` itself (the plain layout), and whether
+        a CPU packs bf16 at all depends on its instruction set (avx512_bf16)."""
+        if self.fused_kernels:
+            return
         for module in self.modules():
             if isinstance(module, Linear):
                 # The tied lm_head shares its weight with the embedding, which lookups still need.

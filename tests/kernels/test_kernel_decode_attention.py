@@ -110,17 +110,43 @@ def test_decode_soft_cap(dtype):
     run_case(128, 1, 4, 32, dtype, lens, cap=30.0, window=20)
 
 
+def as_fp8(exact: PagedKV, k_scale: float, v_scale: float) -> PagedKV:
+    """The same cache stored as fp8: the exact cache's tokens requantized (NaN slots stay NaN)."""
+    kv8 = PagedKV.__new__(PagedKV)
+    kv8.block_tables, kv8.seq_lens = exact.block_tables, exact.seq_lens
+    kv8.k_cache = (exact.k_cache.float() / k_scale).clamp(-448, 448).to(FP8_DTYPE)
+    kv8.v_cache = (exact.v_cache.float() / v_scale).clamp(-448, 448).to(FP8_DTYPE)
+    return kv8
+
+
+@pytest.mark.skipif(not ON_GPU, reason="tile configs are compiled only on the GPU (the interpreter ignores them)")
+@pytest.mark.parametrize("block_n,num_warps,num_stages", [(32, 4, 5), (64, 4, 5), (64, 4, 7), (128, 4, 5), (64, 8, 5)])
+@pytest.mark.parametrize("is_fp8", [False, True], ids=["bf16_cache", "fp8_cache"])
+def test_decode_tile_configs(block_n, num_warps, num_stages, is_fp8):
+    """Deeper K/V pipelines (num_stages) and other tiles compute the same function."""
+    lens = [1, 15, 16, 17, 100, 1500, 4097]
+    kv = PagedKV(lens, 16, 8, 128, BF16)
+    if is_fp8:
+        kv = as_fp8(kv, 0.02, 0.03)
+    scales = {"k_scale": 0.02, "v_scale": 0.03} if is_fp8 else {}
+    q = torch.randn(len(lens), 32, 128, device=DEVICE).to(BF16)
+    for splits in (1, 4):
+        out = poisoned(q.shape, BF16)
+        paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.088, out=out,
+                               num_kv_splits=splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                               **scales)  # fmt: skip
+        ref = paged_decode_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.088, **scales)
+        err = rel_err(out, ref)
+        assert err <= TOL[BF16], f"splits={splits}: relative error {err:.3g}"
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("head_dim", [64, 128] if not ON_GPU else [64, 80, 96, 128])
 def test_decode_fp8_cache(dtype, head_dim):
     lens = [1, 16, 17, 40] + ([4097] if ON_GPU else [])
     k_scale, v_scale = 0.02, 0.03
     exact = PagedKV(lens, 16, 2, head_dim, dtype)
-    # the same values stored as fp8: requantize the exact cache's tokens (NaN slots stay NaN)
-    kv8 = PagedKV.__new__(PagedKV)
-    kv8.block_tables, kv8.seq_lens = exact.block_tables, exact.seq_lens
-    kv8.k_cache = (exact.k_cache.float() / k_scale).clamp(-448, 448).to(FP8_DTYPE)
-    kv8.v_cache = (exact.v_cache.float() / v_scale).clamp(-448, 448).to(FP8_DTYPE)
+    kv8 = as_fp8(exact, k_scale, v_scale)
     q = torch.randn(len(lens), 8, head_dim, device=DEVICE).to(dtype)
     scale = head_dim**-0.5
     for splits in (1, 4):
