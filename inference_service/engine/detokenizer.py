@@ -72,7 +72,8 @@ class IncrementalDetokenizer:
             # whose tokens decode to some text, so emitted tokens stay in front as context.
             # NOTE: context that decodes to "" (skipped special tokens, a lone SentencePiece
             # space) would let the next token's leading space be dropped; skip such starts.
-            for start in reversed(self._boundaries):
+            # A window whose text is "" has no such start (its suffixes decode to "" too).
+            for start in reversed(self._boundaries if text else ()):
                 if start <= self._prefix_offset:
                     break
                 context = self._decode(start)

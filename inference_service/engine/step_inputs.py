@@ -72,6 +72,11 @@ class StepInputs:
         self.pending_rows = _Buffer((max_num_seqs,), torch.int64, device)
         self.pending_sources = _Buffer((max_num_seqs,), torch.int64, device)
         self._copied: torch.cuda.Event | None = None  # recorded after the last step's uploads
+        # What each block-table row holds: (seq_id, num_preemptions) and its number of blocks
+        # written. Between preemptions a block table only grows, so a row that keeps its sequence
+        # gets only the new blocks (re-writing ~100 per sequence each step cost ms at 384 sequences).
+        self._row_keys: list[tuple[int, int] | None] = [None] * max_num_seqs
+        self._row_num_blocks = [0] * max_num_seqs
 
     def prepare(self, scheduled: list[ScheduledSeq], pad_to: int | None = None,
                 pending: PendingTokenIds | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -88,6 +93,7 @@ class StepInputs:
         query_start_loc, seq_lens, block_tables = self.query_start_loc.np, self.seq_lens.np, self.block_tables.np
         query_start_loc[0] = 0
         pending_rows, pending_sources = self.pending_rows.np, self.pending_sources.np
+        row_keys, row_num_blocks = self._row_keys, self._row_num_blocks
         lo = max_query_len = max_num_blocks = num_pending = 0
         num_decode_seqs = None  # the leading one-token rows end at the first longer query
         for i, s in enumerate(scheduled):
@@ -97,7 +103,11 @@ class StepInputs:
                 num_decode_seqs = i
             block_table = seq.block_table
             num_blocks = len(block_table)
-            block_tables[i, :num_blocks] = block_table
+            key = (seq.seq_id, seq.num_preemptions)
+            written = row_num_blocks[i] if row_keys[i] == key else 0
+            if num_blocks > written:
+                block_tables[i, written:num_blocks] = block_table[written:]
+            row_keys[i], row_num_blocks[i] = key, num_blocks
             max_num_blocks = max(max_num_blocks, num_blocks)
             seq_lens[i] = end
             query_start_loc[i + 1] = lo + n

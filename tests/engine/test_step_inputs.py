@@ -63,6 +63,26 @@ def test_prepare_reuses_buffers_and_pads_decode_steps():
         inputs.prepare([_scheduled(seqs[1], 2, True)], pad_to=2)
 
 
+def test_block_table_rows_follow_growth_row_changes_and_preemption():
+    inputs = _inputs()
+    a, b = _seq([1, 2, 3, 4], [5], 3), _seq([6, 7, 8, 9], [2, 6], 3)
+    _, _, md = inputs.prepare([_scheduled(a, 1, True), _scheduled(b, 1, True)])
+    assert md.block_tables[0, :1].tolist() == [5] and md.block_tables[1, :2].tolist() == [2, 6]
+    a.block_table.append(7)  # a grows: only its new block is written
+    for seq, token in ((a, 10), (b, 11)):
+        seq.token_ids.append(token)
+        seq.num_computed_tokens = 4
+    _, _, md = inputs.prepare([_scheduled(a, 1, True), _scheduled(b, 1, True)])
+    assert md.block_tables.tolist() == [[5, 7], [2, 6]]
+    _, _, md = inputs.prepare([_scheduled(b, 1, True), _scheduled(a, 1, True)])  # rows swap sequences
+    assert md.block_tables.tolist() == [[2, 6], [5, 7]]
+    # a is preempted and readmitted with new blocks, as many as before, in the same row
+    a.block_table, a.num_preemptions = [3, 4], 1
+    _, _, md = inputs.prepare([_scheduled(b, 1, True), _scheduled(a, 1, True)])
+    assert md.block_tables.tolist() == [[2, 6], [3, 4]]
+    assert md.slot_mapping.tolist() == [6 * 4 + 0, 4 * 4 + 0]
+
+
 def test_leading_one_token_rows_are_counted_as_decodes():
     inputs = _inputs()
     decodes = [_seq([1, 2, 3], [3], 2), _seq([4, 5, 6, 7, 8, 9], [6, 8], 5)]
