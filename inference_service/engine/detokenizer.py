@@ -48,7 +48,12 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.token_ids: list[int] = []  # output token ids so far
+        self.token_ids: list[int] = []  # output token ids so far, less those that decode to nothing
+        # NOTE: a run of tokens that add no text (EOS under ignore_eos, other skipped specials,
+        # padded vocabulary rows) gives the window no boundary to slide to: kept, they would make
+        # every later decode longer (quadratic in the output length). They are dropped instead,
+        # which no decode can tell apart.
+        self._decodes_to_nothing = getattr(tokenizer, "decodes_to_nothing", None)
         self._prefix_offset = 0  # window start
         # Offsets, newest last, where the text ended on a whole character: decoding does not
         # cross them, so the window may start there.
@@ -60,6 +65,8 @@ class IncrementalDetokenizer:
 
     def append(self, token_id: int) -> str:
         """Adds one output token; returns the text that became final (possibly "")."""
+        if self._decodes_to_nothing is not None and self._decodes_to_nothing(token_id, self.skip_special_tokens):
+            return ""
         self.token_ids.append(token_id)
         num_tokens = len(self.token_ids)
         text = self._decode(self._prefix_offset)

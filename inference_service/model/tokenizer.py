@@ -75,6 +75,9 @@ class Tokenizer:
         special |= {i for i in (self.bos_token_id, self.eos_token_id, self.pad_token_id, self._id_of(unk_token))
                     if i is not None}
         self.all_special_ids: list[int] = sorted(special)
+        # What `decode(..., skip_special_tokens=True)` drops: the backend's special tokens.
+        self._skipped_special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        self._max_token_id = max(backend.get_vocab(with_added_tokens=True).values())
         self._token_bytes: dict[int, bytes] = {}
 
     def _id_of(self, token: str | None) -> int | None:
@@ -103,6 +106,12 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decodes_to_nothing(self, token_id: int, skip_special_tokens: bool) -> bool:
+        """Whether `token_id` adds no text to any `decode` it is part of: an id past the vocabulary
+        (a model's padded embedding rows) or, when they are skipped, a special token."""
+        return (token_id > self._max_token_id or token_id < 0
+                or (skip_special_tokens and token_id in self._skipped_special_ids))
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return [self._backend.id_to_token(i) for i in ids]

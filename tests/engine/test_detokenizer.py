@@ -187,3 +187,26 @@ def test_leading_space_regressions(ids):
     tok = ToySentencePiece()
     detok = IncrementalDetokenizer(tok, [], True)
     assert "".join(detok.append(i) for i in ids) + detok.flush() == tok.decode(ids, True)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_tokens_that_decode_to_nothing_keep_decoding_constant_time(skip_special_tokens, monkeypatch):
+    """EOS after EOS (ignore_eos) or ids past the vocabulary add no text: a long run of them leaves
+    every decode a few tokens long, and the text equals decoding everything at once."""
+    from inference_service.model.dummy import BYTE_EOS, byte_tokenizer
+
+    tok = byte_tokenizer()
+    eos = tok.encode(BYTE_EOS, add_special_tokens=False)
+    ids = tok.encode("héllo 世界", add_special_tokens=False) + eos * 300 + [300, 5000] * 300
+    ids += tok.encode(" wörld 🙂", add_special_tokens=False) + eos * 50
+    window_sizes = []
+    decode = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda w, skip_special_tokens=True: window_sizes.append(len(w)) or decode(
+        w, skip_special_tokens=skip_special_tokens))
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens)
+    text = "".join(detok.append(i) for i in ids) + detok.flush()
+    assert text == decode(ids, skip_special_tokens=skip_special_tokens)
+    if skip_special_tokens:
+        assert max(window_sizes) <= 8 and len(window_sizes) < 60, (max(window_sizes), len(window_sizes))
+    else:
+        assert text.count(BYTE_EOS) == 350  # shown, so kept (each is text of its own)
