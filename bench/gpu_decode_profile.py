@@ -236,13 +236,15 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     configs = ATTENTION_CONFIGS
     if args.attention_configs:
-        configs = ((None, None, None),) + tuple(tuple(map(int, c.split(","))) for c in args.attention_configs.split(";"))
+        configs = ((None, None, None),) + tuple(tuple(map(int, config.split(",")))
+                                                 for config in args.attention_configs.split(";"))
     layouts = tuple(args.attention_layouts.split(","))
     results = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("COMMIT", "unknown"),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    shapes = (args.attention_shapes or f"{args.batch}x{args.context}").split(",")
     sections = {"gemv": gemv_section,
                 "attention": lambda r: [attention_section(r, *map(int, shape.split("x")), configs, layouts)
-                                        for shape in (args.attention_shapes or f"{args.batch}x{args.context}").split(",")],
+                                        for shape in shapes],
                 "profile": lambda r: profile_section(r, args.out, batch=args.batch, context=args.context,
                                                      kv_cache_dtype=args.kv_cache_dtype)}
     for name in args.only.split(","):

@@ -66,9 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"rest-proxy: serving the OpenAI API on http://{args.host}:{args.port}/v1 "
           f"(engines: {', '.join(config.engines)})", flush=True)
+    from inference_service.engine.gc_heap import freeze_startup_heap
     from rest_proxy.drain import DrainingServer
 
     app = create_app(config)
+    freeze_startup_heap()  # one app a process: full collections skip what lives until exit
     # After the drain, uvicorn itself gets a second to cancel what is left.
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                            timeout_graceful_shutdown=1), app.state.drain, args.shutdown_timeout)

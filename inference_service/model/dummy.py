@@ -5,8 +5,8 @@ folder needs only `config.json`; `bench/configs/` ships Llama-3-8B, Qwen3-8B and
 
 Weights: every matrix ~ N(0, 0.02²) from seeded CPU generators (one per 16M values, drawn on all
 cores), then copied to the device: the same seed gives the same weights on the CPU and on a GPU (so
-the two engines can be compared on any architecture). Biases 0, RMSNorm weights 1. The logits of such a model are
-near-uniform noise: useful for speed and for engine-vs-engine checks, not for text.
+the two engines can be compared on any architecture). Biases 0, RMSNorm weights 1. The logits of
+such a model are near-uniform noise: useful for speed and for engine-vs-engine checks, not for text.
 
 Tokenizer: the folder's own `tokenizer.json` when it has one, else a byte-level tokenizer of 258
 tokens (the 256 bytes, then `<|begin_of_text|>` = 256 and `<|end_of_text|>` = 257, the eos) with a
