@@ -158,3 +158,29 @@ def test_template_errors_become_invalid_request(tok):
     # SmolLM2's template concatenates content: a None content is a template error, not a crash.
     with pytest.raises(InvalidRequestError, match="chat template error"):
         tok.apply_chat_template([{"role": "user", "content": None}])
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_ids_that_decode_to_nothing_change_no_decode(tok, skip_special_tokens):
+    """What `decodes_to_nothing` flags (ids past the vocabulary; special tokens when skipped) can be
+    left out of any decode, which is what lets the streaming detokenizer drop them."""
+    import random
+
+    from inference_service.engine.detokenizer import IncrementalDetokenizer
+
+    rng = random.Random()
+    specials = tok.all_special_ids
+    outside = [tok.vocab_size, tok.vocab_size + 7, 10**6]
+    flagged = [i for i in specials + outside if tok.decodes_to_nothing(i, skip_special_tokens)]
+    assert set(outside) <= set(flagged)
+    assert (tok.eos_token_id in flagged) == skip_special_tokens
+    assert not any(tok.decodes_to_nothing(i, skip_special_tokens) for i in tok.encode("Hello world 🤖 日本"))
+    for _ in range(20):
+        ids = tok.encode(rng.choice(TEXTS) + " " + rng.choice(TEXTS), add_special_tokens=False)
+        for _ in range(rng.randrange(1, 30)):
+            ids.insert(rng.randrange(len(ids) + 1), rng.choice(specials + outside))
+        kept = [i for i in ids if not tok.decodes_to_nothing(i, skip_special_tokens)]
+        assert tok.decode(kept, skip_special_tokens) == tok.decode(ids, skip_special_tokens)
+        detok = IncrementalDetokenizer(tok, [], skip_special_tokens)
+        streamed = "".join(detok.append(i) for i in ids) + detok.flush()
+        assert streamed == tok.decode(ids, skip_special_tokens), ids
