@@ -8,10 +8,11 @@ cores), then copied to the device: the same seed gives the same weights on the C
 the two engines can be compared on any architecture). Biases 0, RMSNorm weights 1. The logits of
 such a model are near-uniform noise: useful for speed and for engine-vs-engine checks, not for text.
 
-Tokenizer: the folder's own `tokenizer.json` when it has one, else a byte-level tokenizer of 258
-tokens (the 256 bytes, then `<|begin_of_text|>` = 256 and `<|end_of_text|>` = 257, the eos) with a
-ChatML template. It encodes any text, so requests work end to end; sampled ids at or above 258 (the
-model's vocabulary is larger) decode to no text.
+Tokenizer: the folder's own `tokenizer.json` when it has one, else a byte-level tokenizer with a
+ChatML template: the 256 bytes, `<|begin_of_text|>` = 256 and `<|end_of_text|>` = 257 (the eos), and
+up to the model's vocabulary size a made-up word per id (" ab", "ac", ...). It encodes any text one
+byte a token, so requests work end to end, and every id the model samples decodes to text, as with
+a real vocabulary: output processing costs in a benchmark what it costs with a real model.
 """
 
 from __future__ import annotations
@@ -76,9 +77,22 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = DUMMY
         list(pool.map(draw, jobs))  # list(): re-raises a worker's exception
 
 
-def byte_tokenizer() -> Tokenizer:
-    """A byte-level tokenizer needing no files: one token per byte, plus bos and eos."""
+def _made_up_word(token_id: int) -> str:
+    """A distinct word of two or more letters for each id from 258, every other one after a space
+    ("Ġ" in byte-level BPE)."""
+    n, letters = token_id - 258 + 26, ""
+    while n:
+        n, digit = divmod(n, 26)
+        letters = chr(ord("a") + digit) + letters
+    return ("\u0120" if token_id % 2 == 0 else "") + letters
+
+
+def byte_tokenizer(vocab_size: int = 258) -> Tokenizer:
+    """A byte-level tokenizer needing no files: one token per byte, bos and eos, then a made-up
+    word for each further id below `vocab_size`. Encoding yields bytes only (there are no merges)."""
     vocab = {_BYTE_ENCODER[b]: b for b in range(256)}
+    vocab.update({BYTE_BOS: 256, BYTE_EOS: 257})
+    vocab.update({_made_up_word(i): i for i in range(258, vocab_size)})
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False, byte_fallback=False))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
@@ -96,5 +110,5 @@ def load_dummy_model(path: str, *, device: str | torch.device, dtype: torch.dtyp
     model._pack_linears()  # CPU only: the oneDNN layout, as after a real load
     folder = path if os.path.isdir(path) else os.path.dirname(path)
     has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer.json"))
-    tokenizer = Tokenizer.from_hf_dir(folder) if has_tokenizer else byte_tokenizer()
+    tokenizer = Tokenizer.from_hf_dir(folder) if has_tokenizer else byte_tokenizer(config.vocab_size)
     return config, model, tokenizer, os.path.basename(os.path.normpath(folder)) + "-dummy"

@@ -91,6 +91,12 @@ def test_byte_tokenizer_round_trip():
     assert tok.decode(ids) == text
     assert tok.encode(BYTE_EOS) == [257] and tok.eos_token_ids == (257,)
     assert tok.decode([104, 105, 5000, 100000]) == "hi"  # ids past the byte vocabulary decode to nothing
+    # Sized to a model's vocabulary, every further id is a word of its own; encoding stays bytewise.
+    big = byte_tokenizer(128256)
+    words = [big.decode([i]) for i in range(258, 128256)]
+    assert len(set(words)) == len(words) and all(w.strip() and len(w.strip()) >= 2 for w in words)
+    assert big.decode([104, 105, 258, 259]) == "hi babb" and big.encode(text, add_special_tokens=False) == ids
+    assert big.encode(BYTE_EOS) == [257] and big.eos_token_ids == (257,) and big.vocab_size == 128256
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
