@@ -199,8 +199,10 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
                 on_started: Callable[[EngineServer], Awaitable[None]] | None = None) -> None:
     """Runs the server until SIGTERM or SIGINT, then shuts down gracefully."""
     server = EngineServer(engine_config, server_config)
+    # One server a process: nothing frozen here is ever dropped. Before serving, so that the
+    # collection this does delays no request.
+    freeze_startup_heap()
     await server.start()
-    freeze_startup_heap()  # one server a process: nothing frozen here is ever dropped
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_shutdown)
