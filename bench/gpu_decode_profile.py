@@ -109,7 +109,8 @@ def attention_section(results: dict, batch: int, context: int, configs=ATTENTION
     and split counts (the launcher's, and the 64 a CUDA graph captures
     for long contexts)."""
     from kernels import FP8_DTYPE
-    from kernels.decode_attention import MAX_KV_SPLITS, choose_num_kv_splits, paged_decode_attention
+    from kernels.decode_attention import paged_decode_attention
+    from kernels.split_kv import MAX_KV_SPLITS, choose_num_kv_splits
 
     num_q_heads, num_kv_heads, head_dim, page = 32, 8, 128, 16
     copy_gbs = common.copy_bandwidth_gbs()

@@ -7,12 +7,13 @@ in the activation dtype or fp8 e4m3 (`FP8_DTYPE`) with a per-layer scale. See ke
 from kernels._common import FP8_DTYPE, FP8_MAX
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.attention_ref import paged_decode_attention_ref
-from kernels.decode_attention import choose_num_kv_splits, paged_decode_attention
+from kernels.decode_attention import paged_decode_attention
 from kernels.gemv import MAX_GEMV_ROWS, gemv, gemv_ref
 from kernels.kv_write import quantize_fp8_ref, write_kv_cache, write_kv_cache_ref
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary, build_cos_sin_cache, rope_inv_freq, rotary_ref
+from kernels.split_kv import choose_num_kv_splits
 
 __all__ = [
     "FP8_DTYPE",

@@ -1,21 +1,10 @@
 """Paged decode attention: one query token per sequence over its paged K/V.
 
-Split-KV in two passes::
-
-    pass 1, grid (num_seqs, num_kv_heads, num_splits):
-        one program = one sequence x one KV head x one slice of the context. It serves every
-        query head of the KV head's group at once (a [BLOCK_H, D] query tile), so each K/V tile
-        is read from memory once per group, and writes a partial output plus its log-sum-exp.
-    pass 2, grid (num_seqs, num_q_heads):
-        merges the num_splits partials by their log-sum-exp weights.
-
-With num_splits == 1 pass 1 writes the final output and pass 2 is skipped. A CUDA graph fixes
-num_splits for the longest context; a shorter one leaves trailing splits empty (never written),
-and pass 2 reads only the splits that hold a partial.
-
-    context of a sequence, split into num_splits slices of whole BLOCK_N tiles:
-    [ tile | tile | tile | tile | tile | tile | tile ]   (last tile partial: masked)
-    [ split 0    ][ split 1    ][ split 2    ][ 3 ]       (trailing splits may be empty)
+Split-KV, grid (num_seqs, num_kv_heads, num_splits): one program = one sequence x one KV head x
+one slice of the context (`kernels/split_kv.py` divides it). It serves every query head of the KV
+head's group at once (a [BLOCK_H, D] query tile), so each K/V tile is read from memory once per
+group, and writes a partial output plus its log-sum-exp; `split_kv.merge_splits` then combines the
+partials. With num_splits == 1 the program writes the final output and there is no merge.
 """
 
 from __future__ import annotations
@@ -35,7 +24,6 @@ from kernels._common import (
     is_interpreter,
     mma,
     next_pow2,
-    num_sms,
     pdl_args,
     pdl_enter,
     require,
@@ -45,32 +33,15 @@ from kernels._common import (
     require_shape,
 )
 
+from kernels.split_kv import MAX_KV_SPLITS, choose_num_kv_splits, merge_splits, split_bounds
+
 _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-MAX_KV_SPLITS = 64
-MIN_TOKENS_PER_SPLIT = 128
 
 
 @triton.jit
 def _tanh(x):
     # NOTE: written through the sigmoid so that it runs the same in the interpreter and on the GPU.
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
-
-
-@triton.jit
-def _split_bounds(seq_len, window, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr):
-    """(first visible key, [lo, hi) of this split, number of non-empty splits) of one sequence."""
-    first = seq_len * 0
-    if USE_WINDOW:
-        first = tl.maximum(seq_len - window, 0)
-    start = (first // BLOCK_N) * BLOCK_N
-    num_tiles = tl.cdiv(seq_len - start, BLOCK_N)
-    # NOTE: a CUDA graph fixes NUM_SPLITS for the longest context it may meet: a short context
-    # fills fewer splits (one tile each), and the merge reads only those.
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), 1)  # 1 for an empty context: no 0 / 0
-    num_active = tl.cdiv(num_tiles, tiles_per_split)
-    lo = start + split * tiles_per_split * BLOCK_N
-    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
-    return first, lo, hi, num_active
 
 
 @triton.jit
@@ -142,7 +113,7 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    first, lo, hi, num_active = _split_bounds(seq_len, window, split, NUM_SPLITS, BLOCK_N, USE_WINDOW)
+    first, lo, hi, num_active = split_bounds(seq_len, window, split, NUM_SPLITS, BLOCK_N, USE_WINDOW)
 
     offs_h = tl.arange(0, BLOCK_H)
     heads = kv_head * group + offs_h
@@ -204,65 +175,6 @@ def _decode_split_kernel(
         tl.store(po + heads[:, None] * stride_po_head + offs_d[None, :], o, mask=hd_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head + split, lse, mask=h_mask)
-
-
-@triton.jit
-def _decode_merge_kernel(
-    part_o_ptr,
-    part_lse_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    v_scale,
-    window,
-    stride_po_seq,
-    stride_po_head,
-    stride_po_split,
-    stride_pl_seq,
-    stride_pl_head,
-    stride_o_seq,
-    stride_o_head,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pdl_enter(USE_PDL)
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    _, _, _, num_active = _split_bounds(tl.load(seq_lens_ptr + seq), window, 0, NUM_SPLITS, BLOCK_N, USE_WINDOW)
-    offs_s = tl.arange(0, NUM_SPLITS)
-    s_mask = offs_s < num_active  # partials of empty splits are never written
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-
-    lse = tl.load(part_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + offs_s, mask=s_mask,
-                  other=float("-inf"))  # [NUM_SPLITS]
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
-    w = tl.exp2(lse - m)
-    denom = tl.sum(w, 0)
-    denom = tl.where(denom > 0.0, denom, 1.0)
-    o = tl.load(
-        part_o_ptr + seq * stride_po_seq + head * stride_po_head + offs_s[:, None] * stride_po_split + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # [NUM_SPLITS, BLOCK_D]
-    o = tl.sum(o * w[:, None], 0) * (v_scale / denom)
-    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d, cast(o, out_ptr.dtype.element_ty), mask=d_mask)
-
-
-def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """A power-of-two split count that gives the GPU about four programs per multiprocessor.
-
-    Fixed for a CUDA-graph capture: pass the result as `num_kv_splits` for every replay (the
-    kernel divides each sequence's own context into that many slices)."""
-    programs = max(num_seqs * num_kv_heads, 1)
-    by_occupancy = max(1, (4 * num_sms(device)) // programs)
-    by_length = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
-    splits = min(by_occupancy, by_length, MAX_KV_SPLITS)
-    return 1 << (splits.bit_length() - 1)  # round down to a power of two
 
 
 def paged_decode_attention(
@@ -405,26 +317,6 @@ def paged_decode_attention(
         **pdl_args(q.device),
     )
     if num_kv_splits > 1:
-        _decode_merge_kernel[(num_seqs, num_q_heads)](
-            part_o,
-            part_lse,
-            seq_lens,
-            out,
-            float(v_scale),
-            int(sliding_window or 0),
-            part_o.stride(0),
-            part_o.stride(1),
-            part_o.stride(2),
-            part_lse.stride(0),
-            part_lse.stride(1),
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_N=block_n,
-            NUM_SPLITS=num_kv_splits,
-            USE_WINDOW=sliding_window is not None,
-            **pdl_args(q.device),
-        )
+        merge_splits(part_o, part_lse, seq_lens, out, v_scale, sliding_window, block_n)
     return out
 
