@@ -59,6 +59,22 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+class HostTimer:
+    """Accumulates the wall time of calls to wrapped functions, by label."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    def wrap(self, label: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - t0
+        return timed
+
+
 class GpuStepTimer:
     """Wraps `engine.model_runner.launch` to time each step's device work with CUDA events: from the
     first copy of its inputs starting on the GPU to its sampled ids' copy to the host. A GPU-bound

@@ -23,7 +23,7 @@ import torch
 
 import gpu_common as common
 from gpu_common import CONFIGS, copy_bandwidth_gbs, free_device_memory, generate, make_engine, matmul_tflops, sync
-from gpu_common import weight_bytes_per_step
+from gpu_common import HostTimer, weight_bytes_per_step
 
 from inference_service.engine.gc_heap import freeze_startup_heap
 from inference_service.engine.llm_engine import LLMEngine
@@ -89,22 +89,6 @@ def decode(loaded, results: dict, prompt_len: int = 128, new_tokens: int = 512,
     os.environ.pop("KERNELS_PDL")
 
 
-class _Timer:
-    """Accumulates the wall time of calls to wrapped functions, by label."""
-
-    def __init__(self):
-        self.totals: dict[str, float] = {}
-
-    def wrap(self, label: str, fn):
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - t0
-        return timed
-
-
 def cpu_step(loaded, results: dict, steps: int = 40) -> None:
     """Host-side cost of a decode step at 1 and 256 sequences, with and without async scheduling.
     The model's GPU work is the graph replay (asynchronous); what the host does besides is schedule,
@@ -117,7 +101,7 @@ def cpu_step(loaded, results: dict, steps: int = 40) -> None:
 def _cpu_step(loaded, results: dict, steps: int, is_async: bool) -> None:
     engine = _engine(loaded, max_num_seqs=256, async_scheduling=is_async)
     runner = engine.model_runner
-    timer = _Timer()
+    timer = HostTimer()
     engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
     runner.inputs.prepare = timer.wrap("prepare_inputs", runner.inputs.prepare)
     engine.update_from_output = timer.wrap("update_from_output", engine.update_from_output)
@@ -238,7 +222,7 @@ def offline(loaded, results: dict, num_requests: int, prompt_len: int = 1000, ou
     for i in range(num_requests):
         engine.add_request(engine.input_processor.process(f"o{i}", _random_prompt(prompt_len, 1000 + i), params))
     gpu_timer = common.GpuStepTimer(engine) if common.DEVICE != "cpu" else None
-    host = _Timer()
+    host = HostTimer()
     engine.scheduler.schedule = host.wrap("schedule", engine.scheduler.schedule)
     engine.model_runner.inputs.prepare = host.wrap("prepare_inputs", engine.model_runner.inputs.prepare)
     engine.update_from_output = host.wrap("update_from_output", engine.update_from_output)

@@ -15,11 +15,10 @@ import argparse
 import json
 import os
 import tempfile
-import time
 
 import torch
 
-from gpu_common import make_engine
+from gpu_common import HostTimer, make_engine
 
 from inference_service.engine.sampling_params import SamplingParams
 
@@ -44,32 +43,20 @@ def main() -> None:
     for i in range(args.num_seqs):
         prompt = torch.randint(0, 128000, (args.prompt_len,), generator=torch.Generator().manual_seed(i)).tolist()
         engine.add_request(engine.input_processor.process(f"r{i}", prompt, params))
-    totals: dict[str, float] = {}
-
-    def timed(obj, name: str) -> None:
-        fn = getattr(obj, name)
-
-        def wrapper(*a, **kw):
-            start = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
-        setattr(obj, name, wrapper)
-
-    timed(engine.scheduler, "schedule")
-    timed(engine.model_runner.inputs, "prepare")
-    timed(engine, "update_from_output")
+    timer = HostTimer()
+    engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
+    engine.model_runner.inputs.prepare = timer.wrap("prepare", engine.model_runner.inputs.prepare)
+    engine.update_from_output = timer.wrap("update_from_output", engine.update_from_output)
     steps = 0
     print(f"{args.num_seqs} sequences, {args.prompt_len}-token prompts: host ms a step (mean of {args.window})")
     print(f"{'after step':>10} {'schedule':>9} {'prepare':>8} {'update_from_output':>19} {'total':>7}")
     while engine.has_unfinished:
         if steps % args.window == 0:
-            totals.clear()
+            timer.totals.clear()
         engine.step()
         steps += 1
         if steps % args.window == 0 and len(engine.scheduler.running) == args.num_seqs:
-            row = {k: v / args.window * 1e3 for k, v in totals.items()}
+            row = {k: v / args.window * 1e3 for k, v in timer.totals.items()}
             print(f"{steps:>10} {row['schedule']:>9.2f} {row['prepare']:>8.2f} {row['update_from_output']:>19.2f} "
                   f"{sum(row.values()):>7.2f}", flush=True)
 
