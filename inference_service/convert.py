@@ -11,6 +11,7 @@ from inference_service.engine.input_processor import ChatPrompt
 from inference_service.engine.request import CompletionDelta
 from inference_service.engine.sampling_params import SamplingParams
 from inference_service.engine.sequence import FinishReason
+from inference_service.engine.structured_output import StructuredOutputSpec
 from inference_service.errors import EngineError, InvalidRequestError
 from inference_service.model.tokenizer import Tokenizer
 
@@ -41,6 +42,7 @@ def sampling_params_from_proto(start: pb.StartGeneration) -> SamplingParams:
         seed=_optional(s, "seed", None),
         logprobs=s.logprobs,
         top_logprobs=s.top_logprobs,
+        structured_output=_structured_output(s),
         max_tokens=_optional(st, "max_tokens", None),
         min_tokens=st.min_tokens,
         stop=list(st.stop),
@@ -49,6 +51,18 @@ def sampling_params_from_proto(start: pb.StartGeneration) -> SamplingParams:
         n=start.n or 1,
         skip_special_tokens=_optional(start, "skip_special_tokens", True),
     )
+
+
+def _structured_output(s: pb.SamplingParams) -> StructuredOutputSpec | None:
+    kind = s.structured_output.WhichOneof("format") if s.HasField("structured_output") else None
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not s.structured_output.json_object:
+            raise InvalidRequestError("sampling.structured_output.json_object must be true when set",
+                                      field="sampling.structured_output.json_object")
+        return StructuredOutputSpec("json_object")
+    return StructuredOutputSpec(kind, getattr(s.structured_output, kind))
 
 
 def _tool_call_to_dict(call: pb.ToolCall, field_path: str) -> dict[str, Any]:

@@ -66,6 +66,19 @@ class ChatMessageParam(_Model):
     tool_call_id: str | None = None
 
 
+class JsonSchemaFormat(_Model):
+    name: str | None = None
+    description: str | None = None
+    # `schema` would shadow pydantic's BaseModel.schema.
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Model):
     """Sampling and stopping fields shared by chat and completions."""
 
@@ -89,6 +102,12 @@ class _SamplingFields(_Model):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Structured output: OpenAI's response_format, or vLLM's guided_* fields (one of them at most).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -39,7 +39,40 @@ def sampling_params(req: _SamplingFields, *, logprobs: bool = False, top_logprob
         if not 0 <= token_id < 2**32:
             raise invalid_request(f"logit_bias token id {token_id} is out of range", "logit_bias")
         params.logit_bias[token_id] = bias
+    structured = structured_output(req)
+    if structured is not None:
+        params.structured_output.CopyFrom(structured)
     return params
+
+
+def structured_output(req: _SamplingFields) -> pb.StructuredOutput | None:
+    """The request's format constraint: `response_format` (json_object, json_schema) or one of vLLM's
+    `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (Lark); None for free text."""
+    given = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+             if getattr(req, name) is not None]
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        given.insert(0, "response_format")
+    if len(given) > 1:
+        raise invalid_request(f"give at most one of {', '.join(given)}", given[1])
+    if not given:
+        return None
+    if given[0] == "response_format":
+        if fmt.type == "json_object":
+            return pb.StructuredOutput(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise invalid_request("response_format of type json_schema needs json_schema.schema",
+                                  "response_format.json_schema.schema")
+        return pb.StructuredOutput(json_schema=json.dumps(fmt.json_schema.json_schema))
+    if req.guided_json is not None:
+        schema = req.guided_json
+        return pb.StructuredOutput(json_schema=schema if isinstance(schema, str) else json.dumps(schema))
+    if req.guided_regex is not None:
+        return pb.StructuredOutput(regex=req.guided_regex)
+    if req.guided_choice is not None:
+        # A Lark alternation of JSON-quoted literals: no character of a choice needs regex escaping.
+        return pb.StructuredOutput(lark_grammar="start: " + " | ".join(json.dumps(c) for c in req.guided_choice))
+    return pb.StructuredOutput(lark_grammar=req.guided_grammar)
 
 
 def stopping_criteria(req: _SamplingFields, max_tokens: int | None) -> pb.StoppingCriteria:

@@ -16,6 +16,7 @@ from inference_service.engine.output_processor import OutputProcessor
 from inference_service.engine.request import CompletionDelta, EngineRequest, Usage
 from inference_service.engine.scheduler import Scheduler, SchedulerOutput
 from inference_service.engine.sequence import FinishReason, Sequence
+from inference_service.engine.structured_output import GrammarCompiler
 from inference_service.errors import InvalidRequestError
 from inference_service.metrics import EngineMetrics
 from inference_service.model.loader import LoadedModel, load_model
@@ -82,6 +83,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.loaded.config.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size)
         self.metrics = metrics or EngineMetrics(self.loaded.model_name)
         self.requests: dict[str, _RequestState] = {}
         self.is_async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
@@ -107,6 +109,7 @@ class LLMEngine:
                 field="input",
             )
         max_total = min(self.max_seq_tokens, num_prompt + (params.max_tokens or self.max_model_len))
+        grammar = None if params.structured_output is None else self.grammar_compiler.compile(params.structured_output)
         seqs = []
         for index in range(params.n):
             generator = None
@@ -121,6 +124,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 max_total_tokens=max_total,
                 generator=generator,
+                grammar=grammar if index == 0 or grammar is None else grammar.deep_copy(),
                 arrival_time=request.arrival_time,
             )
             seqs.append(seq)

@@ -121,6 +121,8 @@ class ModelRunner:
             generators=[seq.generator for seq in seqs],
             device=self.device,
             eos_token_ids=[seq.eos_token_ids for seq in seqs],
+            grammars=[seq.grammar for seq in seqs],
+            vocab_size=logits.shape[-1],
         )
         return LaunchedStep([seq.seq_id for seq in seqs], self.sampler.sample(logits, batch))
 

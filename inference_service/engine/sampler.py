@@ -4,7 +4,7 @@ Processing order (each step only runs when some row needs it)::
 
     raw logits ──> logprobs (log_softmax of the raw logits, rows that asked)
         │
-        ├─ logit_bias ─> min_tokens mask ─> repetition penalty ─> frequency/presence penalties
+        ├─ format mask ─> logit_bias ─> min_tokens mask ─> repetition penalty ─> frequency/presence penalties
         │
         ├─ greedy rows:  argmax
         └─ sampled rows: / temperature ─> top-k ─> top-p ─> min-p ─> softmax ─> argmax(probs / Exp(1) noise)
@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from inference_service.engine.sampling_params import SamplingParams
+from inference_service.engine.structured_output import allowed_tokens
 from inference_service.engine.transfer import HostCopy, to_device
 
 # Exponential noise of exactly 0 would divide by zero; any tiny positive floor is unbiased enough.
@@ -71,6 +73,7 @@ class SamplingBatch:
     all_greedy: bool
     sampled_rows: list[int]  # rows drawn at random
     # --- logits processors (None = no row needs it) ---
+    format_mask: tuple[torch.Tensor, torch.Tensor] | None  # rows [R], allowed tokens [R, V] bool
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows [M], token ids [M], values [M] f32
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # rows [M], token ids [M] to set to -inf
     repetition: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # penalty [N, 1], rows [M], ids [M]
@@ -91,12 +94,14 @@ class SamplingBatch:
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], generators: list[torch.Generator | None],
               device: torch.device | str = "cpu",
-              eos_token_ids: Collection[int] | Sequence[Collection[int]] = ()) -> SamplingBatch:
+              eos_token_ids: Collection[int] | Sequence[Collection[int]] = (),
+              grammars: Sequence[Any] | None = None, vocab_size: int = 0) -> SamplingBatch:
         """Turns row i's `params[i]`, token history and generator into batch tensors.
 
         `eos_token_ids` is either one collection shared by all rows or one per row; with
         `stop_token_ids` they are masked while a row has fewer than `min_tokens` outputs
-        (EOS ids are not masked for `ignore_eos` rows, which EOS does not end).
+        (EOS ids are not masked for `ignore_eos` rows, which EOS does not end). `grammars[i]` is row
+        i's structured-output matcher or None; `vocab_size` is the logits width they mask.
         """
         n = len(params)
         assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == n
@@ -132,6 +137,11 @@ class SamplingBatch:
                 fp_rows.append(i)
                 fp_lists.append(output_token_ids[i])
 
+        format_mask = None
+        format_rows = [i for i, g in enumerate(grammars or ()) if g is not None]
+        if format_rows:
+            allowed = allowed_tokens([grammars[i] for i in format_rows], vocab_size)  # [R, V]
+            format_mask = (to_device(format_rows, torch.long, device), allowed.to(device, non_blocking=True))
         bias = None
         if bias_rows:
             bias = (to_device(bias_rows, torch.long, device), to_device(bias_ids, torch.long, device),
@@ -165,6 +175,7 @@ class SamplingBatch:
             num_rows=n,
             all_greedy=not sampled,
             sampled_rows=sampled,
+            format_mask=format_mask,
             bias=bias,
             min_tokens_mask=min_tokens_mask,
             repetition=repetition,
@@ -182,7 +193,7 @@ class SamplingBatch:
     @property
     def needs_processing(self) -> bool:
         """Whether any logits processor runs before greedy/sampled selection."""
-        return (self.bias is not None or self.min_tokens_mask is not None
+        return (self.format_mask is not None or self.bias is not None or self.min_tokens_mask is not None
                 or self.repetition is not None or self.freq_presence is not None)
 
 
@@ -221,12 +232,15 @@ class PendingSample:
 
 
 def apply_penalties_and_masks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Logit bias, min_tokens masking and repetition/frequency/presence penalties.
+    """Structured-output masks, logit bias, min_tokens masking and repetition/frequency/presence penalties.
 
     logits: [N, V] float32, a copy the caller owns (it may be modified in place); returns the
     processed logits.
     """
     num_rows, vocab_size = logits.shape
+    if batch.format_mask is not None:
+        rows, allowed = batch.format_mask  # [R], [R, V]
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     if batch.bias is not None:
         rows, ids, values = batch.bias
         logits.index_put_((rows, ids), values, accumulate=True)

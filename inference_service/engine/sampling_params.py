@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from inference_service.engine.structured_output import StructuredOutputSpec
 from inference_service.errors import InvalidRequestError
 
 # Temperatures below this are treated as greedy: dividing logits by it would overflow anyway.
@@ -73,6 +74,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per position; only used with `logprobs`
+    structured_output: StructuredOutputSpec | None = None  # None: free text
     # --- stopping.* ---
     max_tokens: int | None = None  # None: up to the end of the context window
     min_tokens: int = 0
@@ -108,6 +110,9 @@ class SamplingParams:
             _check_int(self.seed, "sampling.seed", low=0, high=MAX_SEED)
         _check_bool(self.logprobs, "sampling.logprobs")
         _check_int(self.top_logprobs, "sampling.top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputSpec):
+            raise InvalidRequestError(f"sampling.structured_output must be a StructuredOutputSpec, got "
+                                      f"{self.structured_output!r}", field="sampling.structured_output")
 
         if self.max_tokens is not None:
             _check_int(self.max_tokens, "stopping.max_tokens", low=1)
@@ -145,9 +150,9 @@ class SamplingParams:
 
     @property
     def needs_output_history(self) -> bool:
-        """Whether sampling reads the tokens generated so far (penalties, min_tokens)."""
+        """Whether sampling reads the tokens generated so far (penalties, min_tokens, a format's matcher)."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or self.min_tokens > 0)
+                or self.min_tokens > 0 or self.structured_output is not None)
 
     def validate_for_model(self, vocab_size: int, max_model_len: int | None = None,
                            num_prompt_tokens: int | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +51,7 @@ class Sequence:
     eos_token_ids: frozenset[int]
     max_total_tokens: int  # prompt + output may not exceed this (context window / max_tokens)
     generator: torch.Generator | None = None
+    grammar: Any = None  # llguidance matcher of a structured-output request, fed every sampled token
     arrival_time: float = 0.0
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     status: SequenceStatus = SequenceStatus.WAITING
@@ -87,6 +89,8 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.consume_token(token_id)
 
     def check_finished(self) -> bool:
         """Applies the token-level stop rules to the newest token; sets the finish reason."""
@@ -99,6 +103,10 @@ class Sequence:
             if last in params.stop_token_ids:
                 self.finish_reason, self.stop_reason = FinishReason.STOP, last
                 return True
+        if self.grammar is not None and self.grammar.is_stopped():
+            # The format is complete and admits nothing more (EOS included, under ignore_eos).
+            self.finish_reason, self.stop_reason = FinishReason.STOP, None
+            return True
         if len(self.token_ids) >= self.max_total_tokens:
             self.finish_reason = FinishReason.LENGTH
             return True

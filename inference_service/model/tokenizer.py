@@ -107,6 +107,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def backend_json(self) -> str:
+        """The whole tokenizer as `tokenizer.json` text (what grammar engines read the vocabulary from)."""
+        return self._backend.to_str()
+
     def decodes_to_nothing(self, token_id: int, skip_special_tokens: bool) -> bool:
         """Whether `token_id` adds no text to any `decode` it is part of: an id past the vocabulary
         (a model's padded embedding rows) or, when they are skipped, a special token."""

@@ -6,7 +6,9 @@ Generation runs on CPU (~30 tok/s), so every request keeps `max_tokens` small.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -232,3 +234,45 @@ def test_forced_tool_call_through_real_engine(sdk, model):
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert deltas[0].function.name == "get_weather" and deltas[0].id
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_and_json_object(sdk, model):
+    import jsonschema
+
+    resp = sdk.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Invent a person. Reply in JSON."}], max_tokens=60,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    jsonschema.validate(json.loads(resp.choices[0].message.content), PERSON)
+    assert resp.choices[0].finish_reason == "stop"
+    chunks = list(sdk.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Return a JSON object with the keys city and country for Paris."}],
+        max_tokens=60,
+        temperature=0, response_format={"type": "json_object"}, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(text), dict), text
+
+
+def test_vllm_guided_fields_on_completions(sdk, model):
+    resp = sdk.completions.create(model=model, prompt="Is water wet? Answer:", max_tokens=5, temperature=0,
+                                  extra_body={"guided_choice": ["yes", "no", "it depends"]})
+    assert resp.choices[0].text in ("yes", "no", "it depends")
+    resp = sdk.completions.create(model=model, prompt="A phone number:", max_tokens=20, temperature=0,
+                                  extra_body={"guided_regex": r"\(\d{3}\) \d{3}-\d{4}"})
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", resp.choices[0].text), resp.choices[0].text
+
+
+def test_bad_formats_are_400_naming_the_field(sdk, model):
+    cases = [({"extra_body": {"guided_regex": "(("}}, "sampling.structured_output.regex"),
+             ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}}, "guided_regex"),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+              "response_format.json_schema.schema")]
+    for kwargs, param in cases:
+        with pytest.raises(openai.BadRequestError) as exc:
+            sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=5, **kwargs)
+        assert exc.value.body["param"] == param, exc.value.body
