@@ -141,7 +141,7 @@ class SamplingBatch:
         format_rows = [i for i, g in enumerate(grammars or ()) if g is not None]
         if format_rows:
             allowed = allowed_tokens([grammars[i] for i in format_rows], vocab_size)  # [R, V]
-            format_mask = (to_device(format_rows, torch.long, device), allowed.to(device, non_blocking=True))
+            format_mask = (to_device(format_rows, torch.long, device), allowed.to(device))
         bias = None
         if bias_rows:
             bias = (to_device(bias_rows, torch.long, device), to_device(bias_ids, torch.long, device),
