@@ -61,6 +61,12 @@ class AsyncEngine:
         """
         if self.is_draining or self._stopped:
             raise ShuttingDownError("the engine is shutting down and accepts no new requests")
+        if request.params.structured_output is not None and request.grammar is None:
+            # A large schema can take a while to compile: not on the step thread, where it would stall
+            # every running request. A bad format raises here, like the other request checks (first: no await
+            # may come between the checks below and the registration of the stream).
+            request.grammar = await asyncio.to_thread(self.engine.grammar_compiler.compile,
+                                                      request.params.structured_output)
         if request.request_id in self._streams:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", field="request_id")
         limit = self.engine.config.scheduler.max_waiting_requests

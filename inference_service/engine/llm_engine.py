@@ -109,7 +109,9 @@ class LLMEngine:
                 field="input",
             )
         max_total = min(self.max_seq_tokens, num_prompt + (params.max_tokens or self.max_model_len))
-        grammar = None if params.structured_output is None else self.grammar_compiler.compile(params.structured_output)
+        grammar = request.grammar
+        if grammar is None and params.structured_output is not None:
+            grammar = self.grammar_compiler.compile(params.structured_output)
         seqs = []
         for index in range(params.n):
             generator = None

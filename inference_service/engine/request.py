@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from inference_service.engine.sampling_params import SamplingParams
 from inference_service.engine.sequence import FinishReason
@@ -18,6 +19,9 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
+    # The compiled `params.structured_output` (an llguidance matcher), when compiled before `add_request`
+    # (the async engine compiles off the step thread); None: `add_request` compiles it.
+    grammar: Any = None
 
 
 @dataclass(slots=True)
