@@ -79,6 +79,16 @@ class ResponseFormat(_Model):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputsParams(_Model):
+    """vLLM's `structured_outputs` (one of its fields)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(_Model):
     """Sampling and stopping fields shared by chat and completions."""
 
@@ -102,8 +112,9 @@ class _SamplingFields(_Model):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    # Structured output: OpenAI's response_format, or vLLM's guided_* fields (one of them at most).
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs or guided_* fields (one at most).
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None

@@ -46,34 +46,40 @@ def sampling_params(req: _SamplingFields, *, logprobs: bool = False, top_logprob
 
 
 def structured_output(req: _SamplingFields) -> pb.StructuredOutput | None:
-    """The request's format constraint: `response_format` (json_object, json_schema) or one of vLLM's
-    `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (Lark); None for free text."""
-    given = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-             if getattr(req, name) is not None]
+    """The request's format constraint: `response_format` (json_object, json_schema), vLLM's
+    `structured_outputs` or its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (Lark);
+    None for free text. More than one is a 400 naming the second."""
+    given: dict[str, tuple[str, object]] = {}  # request field -> (format kind, value)
     fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
-        given.insert(0, "response_format")
-    if len(given) > 1:
-        raise invalid_request(f"give at most one of {', '.join(given)}", given[1])
-    if not given:
-        return None
-    if given[0] == "response_format":
-        if fmt.type == "json_object":
-            return pb.StructuredOutput(json_object=True)
+    if fmt is not None and fmt.type == "json_object":
+        given["response_format"] = ("json_object", True)
+    elif fmt is not None and fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.json_schema is None:
             raise invalid_request("response_format of type json_schema needs json_schema.schema",
                                   "response_format.json_schema.schema")
-        return pb.StructuredOutput(json_schema=json.dumps(fmt.json_schema.json_schema))
-    if req.guided_json is not None:
-        schema = req.guided_json
-        return pb.StructuredOutput(json_schema=schema if isinstance(schema, str) else json.dumps(schema))
-    if req.guided_regex is not None:
-        return pb.StructuredOutput(regex=req.guided_regex)
-    if req.guided_choice is not None:
+        given["response_format"] = ("json", fmt.json_schema.json_schema)
+    vllm = req.structured_outputs
+    fields = {} if vllm is None else {"json": vllm.json_, "regex": vllm.regex, "choice": vllm.choice,
+                                      "grammar": vllm.grammar, "json_object": vllm.json_object or None}
+    fields = {f"structured_outputs.{kind}": (kind, value) for kind, value in fields.items()}
+    fields.update({f"guided_{kind}": (kind, getattr(req, f"guided_{kind}"))
+                   for kind in ("json", "regex", "choice", "grammar")})
+    given.update({name: pair for name, pair in fields.items() if pair[1] is not None})
+    if len(given) > 1:
+        raise invalid_request(f"give at most one of {', '.join(given)}", list(given)[1])
+    if not given:
+        return None
+    kind, value = next(iter(given.values()))
+    if kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    if kind == "json":
+        return pb.StructuredOutput(json_schema=value if isinstance(value, str) else json.dumps(value))
+    if kind == "regex":
+        return pb.StructuredOutput(regex=value)
+    if kind == "choice":
         # A Lark alternation of JSON-quoted literals: no character of a choice needs regex escaping.
-        return pb.StructuredOutput(lark_grammar="start: " + " | ".join(json.dumps(c) for c in req.guided_choice))
-    return pb.StructuredOutput(lark_grammar=req.guided_grammar)
-
+        return pb.StructuredOutput(lark_grammar="start: " + " | ".join(json.dumps(c) for c in value))
+    return pb.StructuredOutput(lark_grammar=value)
 
 def stopping_criteria(req: _SamplingFields, max_tokens: int | None) -> pb.StoppingCriteria:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from inference_service.engine.sampling_params import SamplingParams
-from inference_service.engine.structured_output import allowed_tokens
+from inference_service.engine.structured_output import token_bitmask, unpack_bitmask
 from inference_service.engine.transfer import HostCopy, to_device
 
 # Exponential noise of exactly 0 would divide by zero; any tiny positive floor is unbiased enough.
@@ -140,8 +140,8 @@ class SamplingBatch:
         format_mask = None
         format_rows = [i for i, g in enumerate(grammars or ()) if g is not None]
         if format_rows:
-            allowed = allowed_tokens([grammars[i] for i in format_rows], vocab_size)  # [R, V]
-            format_mask = (to_device(format_rows, torch.long, device), allowed.to(device))
+            bitmask = token_bitmask([grammars[i] for i in format_rows], vocab_size).to(device)  # [R, W]
+            format_mask = (to_device(format_rows, torch.long, device), unpack_bitmask(bitmask, vocab_size))
         bias = None
         if bias_rows:
             bias = (to_device(bias_rows, torch.long, device), to_device(bias_ids, torch.long, device),

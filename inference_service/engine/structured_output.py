@@ -98,11 +98,18 @@ class GrammarCompiler:
         return matcher
 
 
-def allowed_tokens(matchers: list[Any], vocab_size: int) -> torch.Tensor:
-    """The tokens each matcher allows next: bool [len(matchers), vocab_size] on the CPU."""
+def token_bitmask(matchers: list[Any], vocab_size: int) -> torch.Tensor:
+    """The tokens each matcher allows next, one bit a token: int32 [len(matchers), ceil(vocab_size / 32)] on
+    the CPU (bit j of word w is token 32 w + j), 32x smaller to copy to the device than a bool mask."""
     num_words = (vocab_size + 31) // 32
-    bitmask = torch.empty(len(matchers), num_words, dtype=torch.int32)  # [R, W], bit j of word w: token 32 w + j
+    bitmask = torch.empty(len(matchers), num_words, dtype=torch.int32)  # [R, W]
     for row, matcher in enumerate(matchers):
         matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), num_words * 4)
-    bits = (bitmask.unsqueeze(-1) >> _BITS) & 1  # [R, W, 32]
-    return bits.view(len(matchers), num_words * 32)[:, :vocab_size].bool()
+    return bitmask
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [R, W] bitmask -> bool [R, vocab_size], on the bitmask's device."""
+    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1  # [R, W, 32]
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+

@@ -12,7 +12,7 @@ import pytest
 
 from inference_service.engine.sampling_params import SamplingParams
 from inference_service.engine.sequence import FinishReason
-from inference_service.engine.structured_output import StructuredOutputSpec, allowed_tokens
+from inference_service.engine.structured_output import StructuredOutputSpec, token_bitmask, unpack_bitmask
 from inference_service.errors import InvalidRequestError
 from test_llm_engine import PROMPTS, assert_all_blocks_free, loaded, make_engine, run  # noqa: F401 - fixture
 
@@ -86,13 +86,14 @@ def test_mask_allows_exactly_the_prefixes_of_a_match(loaded):
     engine = make_engine(loaded)
     tokenizer = engine.tokenizer
     matcher = engine.grammar_compiler.compile(StructuredOutputSpec("regex", "(yes|no)"))
-    allowed = allowed_tokens([matcher], loaded.config.vocab_size)[0]  # [V]
+    vocab_size = loaded.config.vocab_size
+    allowed = unpack_bitmask(token_bitmask([matcher], vocab_size), vocab_size)[0]  # [V]
     texts = {i: tokenizer.decode([i], skip_special_tokens=False) for i in allowed.nonzero().flatten().tolist()}
     assert texts and all(t and ("yes".startswith(t) or "no".startswith(t)) for t in texts.values()), texts
     assert tokenizer.encode("yes", add_special_tokens=False)[0] in texts
     assert not allowed[tokenizer.eos_token_id]  # the empty output is no match
     matcher.consume_tokens(tokenizer.encode("no", add_special_tokens=False))
-    allowed = allowed_tokens([matcher], loaded.config.vocab_size)[0]
+    allowed = unpack_bitmask(token_bitmask([matcher], vocab_size), vocab_size)[0]
     assert allowed.nonzero().flatten().tolist() == [tokenizer.eos_token_id]
 
 

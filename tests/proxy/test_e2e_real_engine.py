@@ -265,11 +265,16 @@ def test_vllm_guided_fields_on_completions(sdk, model):
     resp = sdk.completions.create(model=model, prompt="A phone number:", max_tokens=20, temperature=0,
                                   extra_body={"guided_regex": r"\(\d{3}\) \d{3}-\d{4}"})
     assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", resp.choices[0].text), resp.choices[0].text
+    resp = sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=5, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": ["Paris", "Lyon"]}})
+    assert resp.choices[0].message.content in ("Paris", "Lyon")
 
 
 def test_bad_formats_are_400_naming_the_field(sdk, model):
     cases = [({"extra_body": {"guided_regex": "(("}}, "sampling.structured_output.regex"),
              ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}}, "guided_regex"),
+             ({"extra_body": {"structured_outputs": {"regex": "a", "grammar": "start: \"a\""}}},
+              "structured_outputs.grammar"),
              ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
               "response_format.json_schema.schema")]
     for kwargs, param in cases:
