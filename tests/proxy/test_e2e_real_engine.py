@@ -268,6 +268,10 @@ def test_vllm_guided_fields_on_completions(sdk, model):
     resp = sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=5, temperature=0,
                                        extra_body={"structured_outputs": {"choice": ["Paris", "Lyon"]}})
     assert resp.choices[0].message.content in ("Paris", "Lyon")
+    odd = ['say "hi"', "café", "back\\slash"]  # quotes, non-ASCII and a backslash reach the grammar intact
+    texts = {sdk.completions.create(model=model, prompt="Pick one:", max_tokens=8, temperature=1.0, seed=seed,
+                                    extra_body={"guided_choice": odd}).choices[0].text for seed in range(6)}
+    assert texts <= set(odd) and texts, texts
 
 
 def test_bad_formats_are_400_naming_the_field(sdk, model):
