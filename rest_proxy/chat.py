@@ -109,8 +109,23 @@ class ChatService:
             request_id=uuid.uuid4().hex, chat=chat, n=req.n, skip_special_tokens=req.skip_special_tokens,
             sampling=sampling_params(req, logprobs=req.logprobs, top_logprobs=plan.top_logprobs),
             stopping=stopping_criteria(req, req.max_completion_tokens or req.max_tokens))
+        if first_round and plan.prefill is not None and plan.forced:
+            self._constrain_forced_call(plan, start)
         check_wire_safe(start)
         return start
+
+    @staticmethod
+    def _constrain_forced_call(plan: ChatPlan, start: pb.StartGeneration) -> None:
+        """A named tool_choice: the text after the call's prefill must be arguments matching the tool's
+        parameter schema and the end of the call, so even a small model's call parses."""
+        tool = next(t for t in plan.tools if t["function"]["name"] == plan.forced)
+        grammar = plan.parser.call_grammar(plan.forced, tool["function"].get("parameters"))
+        if grammar is None:
+            return
+        if start.sampling.HasField("structured_output"):
+            raise invalid_request("a tool_choice naming a function constrains the output itself: it cannot be "
+                                  "combined with response_format, structured_outputs or guided_*", "tool_choice")
+        start.sampling.structured_output.lark_grammar = grammar
 
     async def _events(self, plan: ChatPlan) -> AsyncIterator[tuple]:
         """Yields ("delta", index, delta, logprobs), ("finish", index, reason) and ("usage", dict)."""

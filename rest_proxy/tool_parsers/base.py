@@ -84,6 +84,20 @@ class ToolParser(ABC):
     def call_prefix(self, name: str | None) -> str:
         """Text that starts a call (to `name`, when given) in this format; used to force a call."""
 
+    def call_grammar(self, name: str, parameters: dict | None) -> str | None:
+        """A Lark grammar (llguidance's dialect, with `%json`) for the text that follows `call_prefix(name)` in
+        one call to `name` whose arguments match the JSON schema `parameters`: a forced call's constraint. None
+        for a format that does not write the arguments as JSON text."""
+        placeholder = "\x00arguments\x00"
+        text, prefix = self.render_calls([(name, placeholder)]), self.call_prefix(name)
+        if not text.startswith(prefix) or text.count(placeholder) != 1:
+            return None
+        before, after = text[len(prefix):].split(placeholder)
+        body = [json.dumps(before)] if before else []
+        body += ["arguments"] + ([json.dumps(after)] if after else [])
+        schema = parameters if parameters else {"type": "object"}
+        return f"start: {' '.join(body)}\narguments: %json {json.dumps(schema)}"
+
     def system_prompt(self, tools: list[dict]) -> str:
         """Instructions describing the tools, for chat templates that cannot render tools."""
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)

@@ -221,15 +221,17 @@ def test_smollm2_gets_the_hermes_parser(real_proxy):
 
 def test_forced_tool_call_through_real_engine(sdk, model):
     resp = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather in Paris?"}],
-                                       tools=[WEATHER], max_tokens=12, temperature=0,
+                                       tools=[WEATHER], max_tokens=30, temperature=0,
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
     choice = resp.choices[0]
     call = choice.message.tool_calls[0]
     assert call.function.name == "get_weather" and call.id.startswith("call_") and call.type == "function"
-    assert choice.finish_reason in ("tool_calls", "length")
+    # The arguments are constrained to the tool's schema and the call ends the output.
+    assert choice.finish_reason == "tool_calls"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
     assert choice.message.content is None
     chunks = list(sdk.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER], max_tokens=12,
+        model=model, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER], max_tokens=30,
         temperature=0, stream=True, tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert deltas[0].function.name == "get_weather" and deltas[0].id
@@ -285,3 +287,25 @@ def test_bad_formats_are_400_naming_the_field(sdk, model):
         with pytest.raises(openai.BadRequestError) as exc:
             sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=5, **kwargs)
         assert exc.value.body["param"] == param, exc.value.body
+
+
+def test_forced_call_arguments_follow_the_tool_schema(sdk, model):
+    import jsonschema
+
+    convert = {"type": "function", "function": {"name": "convert", "parameters": {
+        "type": "object", "properties": {"amount": {"type": "number"},
+                                         "unit": {"enum": ["celsius", "fahrenheit", "kelvin"]}},
+        "required": ["amount", "unit"], "additionalProperties": False}}}
+    for seed in range(3):
+        resp = sdk.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Convert 20 degrees."}], tools=[convert, WEATHER],
+            tool_choice={"type": "function", "function": {"name": "convert"}}, max_tokens=40, temperature=1.0,
+            seed=seed)
+        call = resp.choices[0].message.tool_calls[0]
+        assert call.function.name == "convert" and resp.choices[0].finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.function.arguments), convert["function"]["parameters"])
+    with pytest.raises(openai.BadRequestError) as exc:
+        sdk.chat.completions.create(model=model, messages=QUESTION, tools=[convert], max_tokens=5,
+                                    tool_choice={"type": "function", "function": {"name": "convert"}},
+                                    response_format={"type": "json_object"})
+    assert exc.value.body["param"] == "tool_choice"

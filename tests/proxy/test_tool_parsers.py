@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -140,3 +141,18 @@ def test_selection():
     assert get_parser("qwen3").name == "hermes"
     with pytest.raises(ValueError, match="unknown tool parser"):
         get_parser("nope")
+
+
+@pytest.mark.parametrize("name", ["hermes", "mistral", "llama3_json", "function_tag", "json"])
+def test_call_grammar_surrounds_the_arguments_with_the_rest_of_the_call(name):
+    parser = get_parser(name)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    grammar = parser.call_grammar("get_weather", schema)
+    # What follows the prefill: the arguments, then the call's own end, quoted as a Lark literal.
+    rest = parser.render_calls([("get_weather", "{}")])[len(parser.call_prefix("get_weather")) + 2:]
+    assert grammar == (f"start: arguments {json.dumps(rest)}" if rest else "start: arguments") + \
+        f"\narguments: %json {json.dumps(schema)}"
+
+
+def test_pythonic_calls_get_no_json_grammar():
+    assert get_parser("pythonic").call_grammar("get_weather", None) is None
