@@ -109,22 +109,26 @@ class ChatService:
             request_id=uuid.uuid4().hex, chat=chat, n=req.n, skip_special_tokens=req.skip_special_tokens,
             sampling=sampling_params(req, logprobs=req.logprobs, top_logprobs=plan.top_logprobs),
             stopping=stopping_criteria(req, req.max_completion_tokens or req.max_tokens))
-        if first_round and plan.prefill is not None and plan.forced:
+        if first_round and plan.prefill is not None and plan.forced is not None:
             self._constrain_forced_call(plan, start)
         check_wire_safe(start)
         return start
 
     @staticmethod
     def _constrain_forced_call(plan: ChatPlan, start: pb.StartGeneration) -> None:
-        """A named tool_choice: the text after the call's prefill must be arguments matching the tool's
-        parameter schema and the end of the call, so even a small model's call parses."""
-        tool = next(t for t in plan.tools if t["function"]["name"] == plan.forced)
-        grammar = plan.parser.call_grammar(plan.forced, tool["function"].get("parameters"))
+        """tool_choice naming a function, or "required": the text after the call's prefill must be calls (to
+        that function, or to any of the tools) with arguments matching the tool's parameter schema, and the end
+        of the markup, so even a small model's calls parse."""
+        named = bool(plan.forced)
+        tools = [(t["function"]["name"], t["function"].get("parameters")) for t in plan.tools
+                 if not named or t["function"]["name"] == plan.forced]
+        grammar = plan.parser.calls_grammar(tools, named=named, parallel=plan.req.parallel_tool_calls)
         if grammar is None:
             return
         if start.sampling.HasField("structured_output"):
-            raise invalid_request("a tool_choice naming a function constrains the output itself: it cannot be "
-                                  "combined with response_format, structured_outputs or guided_*", "tool_choice")
+            raise invalid_request("a tool_choice of 'required' or naming a function constrains the output "
+                                  "itself: it cannot be combined with response_format, structured_outputs or "
+                                  "guided_*", "tool_choice")
         start.sampling.structured_output.lark_grammar = grammar
 
     async def _events(self, plan: ChatPlan) -> AsyncIterator[tuple]:

@@ -84,19 +84,47 @@ class ToolParser(ABC):
     def call_prefix(self, name: str | None) -> str:
         """Text that starts a call (to `name`, when given) in this format; used to force a call."""
 
-    def call_grammar(self, name: str, parameters: dict | None) -> str | None:
-        """A Lark grammar (llguidance's dialect, with `%json`) for the text that follows `call_prefix(name)` in
-        one call to `name` whose arguments match the JSON schema `parameters`: a forced call's constraint. None
-        for a format that does not write the arguments as JSON text."""
-        placeholder = "\x00arguments\x00"
-        text, prefix = self.render_calls([(name, placeholder)]), self.call_prefix(name)
-        if not text.startswith(prefix) or text.count(placeholder) != 1:
+    def calls_grammar(self, tools: list[tuple[str, dict | None]], *, named: bool, parallel: bool) -> str | None:
+        """A Lark grammar (llguidance's dialect, with `%json`) for what follows `call_prefix` in a forced call:
+        a call to one of `tools` ((name, parameters JSON schema) pairs; with `named`, the only one, whose name
+        the prefix already holds) with arguments matching its schema, then, with `parallel`, any number of
+        further calls, then the closing markup. Built from this format's own `render_calls`; None where the
+        arguments are not JSON text (pythonic) or the markup does not decompose that way."""
+        first_args, second_args = "\x00arguments-1\x00", "\x00arguments-2\x00"
+        prefix = self.call_prefix(tools[0][0] if named else None)
+
+        def segments(calls: list[tuple[str, str]]) -> list[str] | None:
+            # The rendered calls minus the prefix, cut at each placeholder: [before, between..., after].
+            text = self.render_calls(calls)
+            marks = [c[1] for c in calls]
+            if not text.startswith(prefix) or any(text.count(m) != 1 for m in marks):
+                return None
+            out, rest = [], text[len(prefix):]
+            for mark in marks:
+                head, _, rest = rest.partition(mark)
+                out.append(head)
+            return [*out, rest]
+
+        def literal(text: str) -> list[str]:
+            return [json.dumps(text)] if text else []
+
+        firsts, mores, ends = [], [], set()
+        for i, (name, _) in enumerate(tools):
+            one = segments([(name, first_args)])
+            if one is None:
+                return None
+            firsts.append(" ".join([*literal(one[0]), f"args_{i}"]))
+            ends.add(one[1])
+            if parallel and not named:
+                two = segments([(tools[0][0], first_args), (name, second_args)])
+                if two is None or two[2] != one[1]:
+                    return None
+                mores.append(" ".join([*literal(two[1]), f"args_{i}"]))
+        if len(ends) != 1:
             return None
-        before, after = text[len(prefix):].split(placeholder)
-        body = [json.dumps(before)] if before else []
-        body += ["arguments"] + ([json.dumps(after)] if after else [])
-        schema = parameters if parameters else {"type": "object"}
-        return f"start: {' '.join(body)}\narguments: %json {json.dumps(schema)}"
+        body = [f"({' | '.join(firsts)})"] + ([f"({' | '.join(mores)})*"] if mores else []) + literal(ends.pop())
+        rules = [f"args_{i}: %json {json.dumps(params or {'type': 'object'})}" for i, (_, params) in enumerate(tools)]
+        return "\n".join([f"start: {' '.join(body)}", *rules])
 
     def system_prompt(self, tools: list[dict]) -> str:
         """Instructions describing the tools, for chat templates that cannot render tools."""

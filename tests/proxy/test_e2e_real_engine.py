@@ -289,7 +289,7 @@ def test_bad_formats_are_400_naming_the_field(sdk, model):
         assert exc.value.body["param"] == param, exc.value.body
 
 
-def test_forced_call_arguments_follow_the_tool_schema(sdk, model):
+def test_forced_calls_follow_the_tool_schemas(sdk, model):
     import jsonschema
 
     convert = {"type": "function", "function": {"name": "convert", "parameters": {
@@ -304,6 +304,21 @@ def test_forced_call_arguments_follow_the_tool_schema(sdk, model):
         call = resp.choices[0].message.tool_calls[0]
         assert call.function.name == "convert" and resp.choices[0].finish_reason == "tool_calls"
         jsonschema.validate(json.loads(call.function.arguments), convert["function"]["parameters"])
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (convert, WEATHER)}
+    for seed in range(3):  # "required": any of the tools, each call valid for its own schema
+        resp = sdk.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Weather in Oslo, and convert 20 degrees."}],
+            tools=[convert, WEATHER], tool_choice="required", max_tokens=80, temperature=1.0, seed=seed,
+            parallel_tool_calls=False)
+        assert resp.choices[0].finish_reason == "tool_calls" and len(resp.choices[0].message.tool_calls) == 1
+        for call in resp.choices[0].message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    resp = sdk.chat.completions.create(  # parallel calls allowed: the model ends them itself
+        model=model, messages=[{"role": "user", "content": "Weather in Oslo, and convert 20 degrees."}],
+        tools=[convert, WEATHER], tool_choice="required", max_tokens=120, temperature=0)
+    assert resp.choices[0].finish_reason == "tool_calls", resp.choices[0]
+    for call in resp.choices[0].message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     with pytest.raises(openai.BadRequestError) as exc:
         sdk.chat.completions.create(model=model, messages=QUESTION, tools=[convert], max_tokens=5,
                                     tool_choice={"type": "function", "function": {"name": "convert"}},

@@ -143,16 +143,63 @@ def test_selection():
         get_parser("nope")
 
 
-@pytest.mark.parametrize("name", ["hermes", "mistral", "llama3_json", "function_tag", "json"])
-def test_call_grammar_surrounds_the_arguments_with_the_rest_of_the_call(name):
+WEATHER_ARGS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                "additionalProperties": False}
+TIME_ARGS = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
+JSON_FORMATS = ["hermes", "mistral", "llama3_json", "function_tag", "json"]
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer(tmp_path_factory):
+    """llguidance's tokenizer over a byte-level vocabulary: any text is some token sequence."""
+    from llguidance import LLTokenizer
+
+    from tests.model.tiny_models import write_byte_tokenizer
+
+    path = tmp_path_factory.mktemp("bytes")
+    write_byte_tokenizer(str(path))
+    return LLTokenizer((path / "tokenizer.json").read_text())
+
+
+def _accepts(tokenizer, grammar: str, text: str) -> bool:
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(tokenizer, grammar, log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    return matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("name", JSON_FORMATS)
+def test_named_call_grammar_takes_valid_arguments_and_the_closing_markup(name, byte_tokenizer):
     parser = get_parser(name)
-    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
-    grammar = parser.call_grammar("get_weather", schema)
-    # What follows the prefill: the arguments, then the call's own end, quoted as a Lark literal.
-    rest = parser.render_calls([("get_weather", "{}")])[len(parser.call_prefix("get_weather")) + 2:]
-    assert grammar == (f"start: arguments {json.dumps(rest)}" if rest else "start: arguments") + \
-        f"\narguments: %json {json.dumps(schema)}"
+    grammar = parser.calls_grammar([("get_weather", WEATHER_ARGS)], named=True, parallel=True)
+    prefix = parser.call_prefix("get_weather")
+
+    def rest(args: str) -> str:
+        return parser.render_calls([("get_weather", args)])[len(prefix):]
+
+    assert _accepts(byte_tokenizer, grammar, rest('{"city": "Paris"}'))
+    assert not _accepts(byte_tokenizer, grammar, rest('{"city": 3}'))
+    assert not _accepts(byte_tokenizer, grammar, rest('{"city": "Paris", "days": 2}'))
+    assert not _accepts(byte_tokenizer, grammar, rest('{"city": "Paris"}') + rest('{"city": "Rome"}'))
 
 
-def test_pythonic_calls_get_no_json_grammar():
-    assert get_parser("pythonic").call_grammar("get_weather", None) is None
+@pytest.mark.parametrize("name", ["hermes", "mistral", "llama3_json", "function_tag"])
+def test_required_call_grammar_takes_any_tool_and_parallel_calls(name, byte_tokenizer):
+    parser = get_parser(name)
+    tools = [("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)]
+    prefix = parser.call_prefix(None)
+    one = parser.render_calls([("get_time", '{"zone": "CET"}')])[len(prefix):]
+    two = parser.render_calls([("get_weather", '{"city": "Oslo"}'), ("get_time", '{"zone": "UTC"}')])[len(prefix):]
+    parallel = parser.calls_grammar(tools, named=False, parallel=True)
+    single = parser.calls_grammar(tools, named=False, parallel=False)
+    assert _accepts(byte_tokenizer, parallel, one) and _accepts(byte_tokenizer, parallel, two)
+    assert _accepts(byte_tokenizer, single, one) and not _accepts(byte_tokenizer, single, two)
+    bad = parser.render_calls([("get_time", '{"zone": "PST"}')])[len(prefix):]
+    assert not _accepts(byte_tokenizer, parallel, bad)
+
+
+def test_formats_without_json_arguments_get_no_grammar():
+    assert get_parser("pythonic").calls_grammar([("get_weather", None)], named=True, parallel=False) is None
+    # A lone JSON object, a list of several: several calls do not extend one call's markup.
+    assert get_parser("json").calls_grammar([("get_weather", None)], named=False, parallel=True) is None
