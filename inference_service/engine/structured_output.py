@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from inference_service.errors import InvalidRequestError
+from inference_service.errors import InvalidRequestError, UnimplementedError
 
 if TYPE_CHECKING:
     from inference_service.model.tokenizer import Tokenizer
@@ -77,8 +77,12 @@ class GrammarCompiler:
         if self._ll_tokenizer is None:
             from llguidance import LLTokenizer  # noqa: PLC0415
 
-            self._ll_tokenizer = LLTokenizer(self._tokenizer.backend_json(), n_vocab=self.vocab_size,
-                                             eos_token=list(self._tokenizer.eos_token_ids))
+            try:
+                self._ll_tokenizer = LLTokenizer(self._tokenizer.backend_json(), n_vocab=self.vocab_size,
+                                                 eos_token=list(self._tokenizer.eos_token_ids))
+            except Exception as exc:  # noqa: BLE001 - a tokenizer llguidance cannot read: no formats here
+                raise UnimplementedError(f"structured output is not available for this model's tokenizer: {exc}"
+                                         ) from None
         return self._ll_tokenizer
 
     def compile(self, spec: StructuredOutputSpec) -> Any:
