@@ -4,7 +4,6 @@ cache against HF transformers — logits within fp32 noise and identical greedy 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
