@@ -43,7 +43,7 @@ class _InFlightStep:
     sched_out: SchedulerOutput
     launched: LaunchedStep
     start_time: float
-    reads_history: bool  # a sampling sequence reads its output history (penalties, min_tokens)
+    reads_history: bool  # a sampling sequence needs this step's tokens on the host first (history, format)
 
 
 @dataclass
@@ -154,13 +154,13 @@ class LLMEngine:
         this one without async scheduling, else the one launched by the previous call."""
         deltas = []
         if self._in_flight is not None and self._in_flight.reads_history:
-            deltas = self.drain()  # penalties read every token: no step may be pending
+            deltas = self.drain()  # penalties and formats read every token: no step may be pending
         sched_out = self.scheduler.schedule()
         launched = None
         if not sched_out.is_empty:
             start = time.perf_counter()
             step_handle = self.model_runner.launch(sched_out.scheduled, self._in_flight and self._in_flight.launched)
-            reads_history = any(s.is_sampling and s.seq.params.needs_output_history for s in sched_out.scheduled)
+            reads_history = any(s.is_sampling and s.seq.params.needs_previous_token for s in sched_out.scheduled)
             launched = _InFlightStep(sched_out, step_handle, start, reads_history)
         deltas += self.drain()
         self._in_flight = launched

@@ -150,9 +150,15 @@ class SamplingParams:
 
     @property
     def needs_output_history(self) -> bool:
-        """Whether sampling reads the tokens generated so far (penalties, min_tokens, a format's matcher)."""
+        """Whether sampling reads the tokens generated so far (penalties, min_tokens)."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or self.min_tokens > 0 or self.structured_output is not None)
+                or self.min_tokens > 0)
+
+    @property
+    def needs_previous_token(self) -> bool:
+        """Whether a step sampling for this request needs the previous step's token on the host before it
+        is launched: for the output history, or for a format's matcher (fed every token)."""
+        return self.needs_output_history or self.structured_output is not None
 
     def validate_for_model(self, vocab_size: int, max_model_len: int | None = None,
                            num_prompt_tokens: int | None = None) -> None:

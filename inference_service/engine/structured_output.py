@@ -5,7 +5,7 @@ grammar) is compiled by llguidance into a matcher per sequence. Each step, befor
 matcher gives the set of tokens that keep the output a prefix of a match (EOS only once it is a
 whole match); the sampler sets every other logit to -inf. The sampled token is then fed back
 (`Sequence.append_token`). Masks are computed on the host from the newest token, so a step
-holding a constrained sequence waits for the step before it (`SamplingParams.needs_output_history`).
+holding a constrained sequence waits for the step before it (`SamplingParams.needs_previous_token`).
 
 llguidance is imported only when the first constrained request arrives.
 """
@@ -116,4 +116,3 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 [R, W] bitmask -> bool [R, vocab_size], on the bitmask's device."""
     bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1  # [R, W, 32]
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
-
