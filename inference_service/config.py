@@ -64,6 +64,8 @@ class EngineConfig:
     # configuration, else last-token for decoders.
     embedding_pooling: str | None = None
     load_format: str = "auto"  # "auto" (read the checkpoint) or "dummy" (random weights for a config.json)
+    # Expand quantized GGUF weights at load instead of running them in their blocks (CPU, float32).
+    dequantize: bool = False
     attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton"
     enforce_eager: bool = False  # no CUDA graphs: every step launches its kernels one by one
     max_cuda_graph_batch_size: int = 256  # decode steps of more sequences run eagerly

@@ -114,7 +114,8 @@ class EngineServer:
             loaded = load_model(engine_config.model, device=device, dtype=dtype,
                                 yarn_scaling_factor=engine_config.yarn_scaling_factor,
                                 load_format=engine_config.load_format,
-                                attention_backend=engine_config.attention_backend, seed=engine_config.seed)
+                                attention_backend=engine_config.attention_backend, seed=engine_config.seed,
+                                quantized_weights=not engine_config.dequantize)
             # An encoder (BERT) only embeds: no KV cache, no generation engine.
             llm = None if loaded.is_encoder else LLMEngine(engine_config, loaded=loaded)
         else:

@@ -72,6 +72,7 @@ class LLMEngine:
         self.loaded = loaded or load_model(
             config.model, device=self.device, dtype=self.dtype, yarn_scaling_factor=config.yarn_scaling_factor,
             load_format=config.load_format, attention_backend=config.attention_backend, seed=config.seed,
+            quantized_weights=not config.dequantize,
         )
         self.tokenizer = self.loaded.tokenizer
         model_len = self.loaded.config.max_position_embeddings

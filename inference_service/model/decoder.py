@@ -24,6 +24,7 @@ from torch import nn
 
 from inference_service.attention.backend import AttentionBackend, get_attention_backend
 from inference_service.attention.metadata import AttentionMetadata
+from inference_service.cpu_kernels.quant import QuantizedWeight, dequantize_rows
 from inference_service.errors import UnsupportedModelError
 from inference_service.model.config import ModelConfig
 from inference_service.model.linear import Linear
@@ -161,6 +162,8 @@ class DecoderModel(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = nn.Module()
         self.model.embed_tokens.weight = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        # The embedding kept in GGUF blocks (CPU): rows are expanded as they are looked up.
+        self.quantized_embedding: QuantizedWeight | None = None
         self.model.layers = nn.ModuleList(
             layer_cls(config, self.spec, self.attention_backend, self.rotary, dtype, device)
             for _ in range(config.num_hidden_layers)
@@ -179,7 +182,10 @@ class DecoderModel(nn.Module):
         `kv_caches[i]` is layer i's (k_cache, v_cache), each [num_blocks, block_size, Hkv, head_dim]
         in the model dtype; this step's keys and values are written into them at
         `attn_metadata.slot_mapping`."""
-        hidden = self.model.embed_tokens.weight.index_select(0, input_ids)  # [T, H], a fresh residual buffer
+        if self.quantized_embedding is not None:
+            hidden = dequantize_rows(self.quantized_embedding, input_ids)  # [T, H], a fresh residual buffer
+        else:
+            hidden = self.model.embed_tokens.weight.index_select(0, input_ids)  # [T, H], a fresh residual buffer
         if self.fused_kernels:
             residual = None
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
@@ -201,12 +207,15 @@ class DecoderModel(nn.Module):
 
     # ------------------------------------------------------------------ weights
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
         """Copy HF-named tensors into the (partly fused) parameters.
 
+        A `QuantizedWeight` stays in its blocks: a projection's rows run through the quantized kernels
+        and the embedding is expanded row by row at lookup (and serves a tied lm_head in its blocks).
         Every parameter must be covered; an unknown name or a wrong shape raises
         `UnsupportedModelError` naming the tensor."""
         params = dict(self.named_parameters(remove_duplicate=False))
+        linears = {f"{name}.weight": module for name, module in self.named_modules() if isinstance(module, Linear)}
         fused = self._fused_rows()
         loaded_rows: dict[str, int] = {}
         with torch.no_grad():
@@ -227,7 +236,14 @@ class DecoderModel(nn.Module):
                 if tuple(dest.shape) != tuple(tensor.shape):
                     raise UnsupportedModelError(
                         f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-                dest.copy_(tensor)
+                if not isinstance(tensor, QuantizedWeight):
+                    dest.copy_(tensor)
+                elif target == "model.embed_tokens.weight":
+                    self._load_quantized_embedding(tensor)
+                elif target in linears:
+                    linears[target].load_quantized_rows(0 if rows is None else rows[0], tensor)
+                else:
+                    dest.copy_(dequantize_rows(tensor))
                 loaded_rows[target] = loaded_rows.get(target, 0) + dest.shape[0]
         missing = [name for name, param in params.items()
                    if loaded_rows.get(name, 0) != param.shape[0] and not (
@@ -235,6 +251,21 @@ class DecoderModel(nn.Module):
         if missing:
             raise UnsupportedModelError(f"checkpoint lacks weights: {', '.join(missing[:8])}")
         self._pack_linears()
+
+    def _load_quantized_embedding(self, weight: QuantizedWeight) -> None:
+        self.quantized_embedding = weight
+        if self.config.tie_word_embeddings:
+            self.lm_head.load_quantized_rows(0, weight)
+        self.model.embed_tokens.weight.data = torch.empty(0, dtype=self.dtype, device=self.device)
+
+    @property
+    def num_weight_bytes(self) -> int:
+        """Bytes of weights a decode step reads: every parameter (a tied embedding once, as the lm_head)
+        and every quantized projection in its blocks."""
+        params = {id(p): p.numel() * p.element_size() for p in self.parameters()}  # tied: counted once
+        packed = sum(m._packed.numel() * m._packed.element_size() for m in self.modules()
+                     if isinstance(m, Linear) and m._packed is not None)
+        return sum(params.values()) + packed + sum(m.quantized_bytes for m in self.modules() if isinstance(m, Linear))
 
     def _pack_linears(self) -> None:
         """Re-lay every projection out for the CPU matmul kernels once the weights are in.
@@ -246,7 +277,9 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 # The tied lm_head shares its weight with the embedding, which lookups still need.
-                module.pack(release_weight=not (module is self.lm_head and self.config.tie_word_embeddings))
+                shares_embedding = (module is self.lm_head and self.config.tie_word_embeddings
+                                    and self.quantized_embedding is None)
+                module.pack(release_weight=not shares_embedding)
 
     def _fused_rows(self) -> dict[str, tuple[str, int, int]]:
         """HF parameter suffix -> (fused parameter suffix, first row, number of rows)."""

@@ -1,4 +1,5 @@
-"""Reading GGUF files: metadata, and tensors dequantized to float under Hugging Face names."""
+"""Reading GGUF files: metadata, and tensors under Hugging Face names, dequantized to float or kept in
+their blocks (`QuantizedWeight`) for the CPU kernels that execute them in place."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from inference_service.cpu_kernels.quant import QuantizedWeight, QuantType
 from inference_service.errors import UnsupportedModelError
 from inference_service.model.config import ModelConfig
 
@@ -92,19 +94,34 @@ class GGUFCheckpoint:
     def model_name(self) -> str | None:
         return self.metadata.get("general.name")
 
-    def weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, dequantized tensor in `dtype`) one at a time, so memory stays one tensor deep."""
+    def weights(self, dtype: torch.dtype = torch.float32, *, keep_quantized: bool = False
+                ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """Yield (HF name, tensor in `dtype`) one at a time, so memory stays one tensor deep.
+
+        With `keep_quantized`, matrices of the types the CPU kernels execute (`QuantType`) come as
+        `QuantizedWeight`s in their blocks instead of dequantized."""
         config = self.config
         permuted = self.architecture == "llama"
         for name, tensor in self._tensors.items():
             if name == ROPE_FREQS:
                 continue
             hf_name = hf_tensor_name(name)
-            array = self._dequantize(tensor)
+            num_heads = None
             if permuted and ".self_attn.q_proj." in hf_name:
-                array = unpermute_rope_rows(array, config.num_attention_heads)
+                num_heads = config.num_attention_heads
             elif permuted and ".self_attn.k_proj." in hf_name:
-                array = unpermute_rope_rows(array, config.num_key_value_heads)
+                num_heads = config.num_key_value_heads
+            kind = tensor.tensor_type.name
+            if keep_quantized and kind in QuantType.__members__ and len(tensor.shape) == 2:
+                rows = int(tensor.shape[1])
+                weight = QuantizedWeight.from_gguf_blocks(np.asarray(tensor.data).reshape(rows, -1), QuantType[kind])
+                if num_heads is not None:
+                    weight = weight.select_rows(unpermute_rope_rows(np.arange(rows), num_heads))
+                yield hf_name, weight
+                continue
+            array = self._dequantize(tensor)
+            if num_heads is not None:
+                array = unpermute_rope_rows(array, num_heads)
             if not array.flags.writeable:  # F32 tensors are views of the read-only file mapping
                 array = array.copy()
             yield hf_name, torch.from_numpy(np.ascontiguousarray(array)).to(dtype)

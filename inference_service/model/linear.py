@@ -1,9 +1,14 @@
-"""`Linear`: y = x W^T + b with Hugging Face's [out, in] weight, packed for oneDNN on CPU.
+"""`Linear`: y = x W^T + b with Hugging Face's [out, in] weight, packed for oneDNN on CPU, or kept in
+GGUF blocks.
 
 Decode on CPU is bound by how fast the weights stream through the matmul. MKL's sgemm on the
 row-major [out, in] weight reaches about half the machine's read bandwidth at batch 1; oneDNN with the
 weight re-laid out once ("packed") for its blocked kernels reaches nearly all of it, and is also faster
 at batch 4-16. So after loading, CPU weights are packed and the plain copy is released.
+
+Quantized rows (`load_quantized_rows`, from a GGUF's Q4_0 / Q4_1 / Q8_0 tensors) are read in their
+blocks by the C++ kernels instead, a fifth to a quarter of the bytes of float32; a step of many rows
+(prefill) expands them and runs one BLAS matmul, which costs less than dequantizing per row there.
 """
 
 from __future__ import annotations
@@ -12,8 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference_service.cpu_kernels.quant import QuantizedWeight, dequantize_rows, quant_matmul
+
 # Packing is tuned for a batch of this many rows; other batch sizes still run, a little slower.
 _PACK_BATCH_HINT = 16
+# Above this many input rows a quantized layer expands its weight and runs one dense matmul.
+MAX_QUANTIZED_MATMUL_ROWS = 32
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -37,22 +46,69 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
         self._packed: torch.Tensor | None = None  # oneDNN blocked copy of `weight`
+        # Quantized row ranges as (first row, weight), sorted; set by `load_quantized_rows`.
+        self.quantized: list[tuple[int, QuantizedWeight]] = []
+
+    def load_quantized_rows(self, first_row: int, weight: QuantizedWeight) -> None:
+        """Rows [first_row, first_row + rows) of the weight, kept in their blocks."""
+        if weight.shape[1] != self.in_features or not 0 <= first_row <= self.out_features - weight.shape[0]:
+            raise ValueError(f"quantized rows {weight.shape} at {first_row} do not fit [{self.out_features}, "
+                             f"{self.in_features}]")
+        self.quantized = sorted([*self.quantized, (first_row, weight)], key=lambda part: part[0])
+
+    @property
+    def quantized_bytes(self) -> int:
+        return sum(weight.nbytes for _, weight in self.quantized)
 
     def pack(self, release_weight: bool = True) -> None:
-        """Re-lay the weight out for oneDNN (CPU only; elsewhere a no-op). With `release_weight`, the
-        plain weight's storage is freed: the layer can no longer be re-loaded."""
+        """Re-lay the weight out for oneDNN, or finish a quantized one (CPU only; elsewhere a no-op).
+        With `release_weight`, the plain weight's storage is freed: the layer can no longer be re-loaded."""
+        if self.quantized:
+            self._finish_quantized(release_weight)
+            return
         if self._packed is not None or not can_pack(self.weight):
             return
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_BATCH_HINT)
         if release_weight:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
-    @property
-    def is_packed(self) -> bool:
-        return self._packed is not None
+    def _finish_quantized(self, release_weight: bool) -> None:
+        num_quantized = sum(weight.shape[0] for _, weight in self.quantized)
+        if num_quantized != self.out_features:
+            # Part of the rows came dense (a type the kernels do not run): expand the rest beside them.
+            with torch.no_grad():
+                for first, weight in self.quantized:
+                    self.weight[first:first + weight.shape[0]].copy_(dequantize_rows(weight))
+            self.quantized = []
+            self.pack(release_weight)
+            return
+        # Stack neighbouring parts of one type (q, k, v -> qkv) so a step makes one call for them.
+        merged = [self.quantized[0]]
+        for first, weight in self.quantized[1:]:
+            if weight.qtype is merged[-1][1].qtype:
+                merged[-1] = (merged[-1][0], QuantizedWeight.concat([merged[-1][1], weight]))
+            else:
+                merged.append((first, weight))
+        self.quantized = merged
+        if release_weight:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in] -> [N, out]."""
+        if self.quantized:
+            return self._quantized_forward(x)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        if x.shape[0] > MAX_QUANTIZED_MATMUL_ROWS:
+            weight = torch.cat([dequantize_rows(part) for _, part in self.quantized])  # [out, in]
+            return F.linear(x, weight, self.bias)
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)  # [N, out]
+        for first, weight in self.quantized:
+            quant_matmul(x, weight, out[:, first:first + weight.shape[0]])
+        if self.bias is not None:
+            out += self.bias
+        return out

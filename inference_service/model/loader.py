@@ -78,10 +78,12 @@ def default_model_path() -> str:
 
 def load_model(path: str | None = None, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                yarn_scaling_factor: float | None = None, load_format: str = "auto",
-               attention_backend: str = "auto", seed: int = 0) -> LoadedModel:
+               attention_backend: str = "auto", seed: int = 0, quantized_weights: bool = True) -> LoadedModel:
     """Load a model from a `.gguf` file or a HF folder (`config.json` + safetensors); None = the default.
 
-    Weights are dequantized / cast to `dtype` on `device`. Never downloads anything. Raises
+    Weights are dequantized / cast to `dtype` on `device`, except that with `quantized_weights` a GGUF's
+    Q4_0 / Q4_1 / Q8_0 matrices stay in their blocks on a CPU in float32, executed in place by the C++
+    kernels (`cpu_kernels/`). Never downloads anything. Raises
     `UnsupportedModelError` naming the architecture, tensor or dtype it cannot serve.
 
     `load_format="dummy"`: `path` is a folder with only a `config.json`; weights are random (seeded by
@@ -102,7 +104,8 @@ def load_model(path: str | None = None, *, device: str | torch.device = "cpu", d
     if os.path.isdir(path):
         config, weights, tokenizer, name = _open_hf_dir(path, dtype)
     elif path.endswith(".gguf"):
-        config, weights, tokenizer, name = _open_gguf(path, dtype)
+        keep_quantized = quantized_weights and _can_execute_quantized(device, dtype)
+        config, weights, tokenizer, name = _open_gguf(path, dtype, keep_quantized)
     else:
         raise UnsupportedModelError(f"model path {path!r} is neither a .gguf file nor a folder")
     if yarn_scaling_factor:
@@ -162,14 +165,21 @@ def _load_encoder(path: str, alias: str | None, device: str | torch.device, dtyp
                        model_name=alias or os.path.basename(os.path.normpath(path)), pooling=pooling)
 
 
-def _open_gguf(path: str, dtype: torch.dtype):
+def _can_execute_quantized(device: str | torch.device, dtype: torch.dtype) -> bool:
+    """Whether quantized weights can run in place: the CPU kernels take float32 activations."""
+    from inference_service.cpu_kernels.quant import load_extension
+
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and load_extension() is not None
+
+
+def _open_gguf(path: str, dtype: torch.dtype, keep_quantized: bool):
     from inference_service.model.gguf_loader import GGUFCheckpoint
 
     checkpoint = GGUFCheckpoint(path)
     tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata)
     # "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct": clients name the model, not its quantization.
     name = re.sub(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", "", os.path.basename(path)[: -len(".gguf")], flags=re.IGNORECASE)
-    return checkpoint.config, checkpoint.weights(dtype), tokenizer, name
+    return checkpoint.config, checkpoint.weights(dtype, keep_quantized=keep_quantized), tokenizer, name
 
 
 def _open_hf_dir(path: str, dtype: torch.dtype):

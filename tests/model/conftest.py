@@ -37,7 +37,14 @@ def smollm_path() -> str:
 
 @pytest.fixture(scope="session")
 def smollm(smollm_path):
+    """The model as served by default: its Q4_1 / Q8_0 weights run in their blocks on this CPU."""
     return load_model(smollm_path)
+
+
+@pytest.fixture(scope="session")
+def smollm_dequantized(smollm_path):
+    """The same file expanded to float32 at load (`--dequantize`)."""
+    return load_model(smollm_path, quantized_weights=False)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,143 @@
+"""The CPU kernels that run GGUF Q4_0 / Q4_1 / Q8_0 blocks in place, against a float64 dequantize-then-matmul."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from harness import PagedHarness
+from inference_service.cpu_kernels.quant import (
+    QuantizedWeight,
+    QuantType,
+    dequantize_ref,
+    dequantize_rows,
+    load_extension,
+    quant_matmul,
+    quant_matmul_ref,
+)
+from inference_service.model.linear import MAX_QUANTIZED_MATMUL_ROWS, Linear
+
+EXTENSION = load_extension()
+pytestmark = pytest.mark.skipif(EXTENSION is None, reason="the C++ extension could not be built here")
+ISAS = ("avx512", "avx2", "scalar")
+
+
+def random_blocks(qtype: QuantType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """GGUF blocks [rows, cols / 32 * block_bytes] uint8 with random quants and sane fp16 scales."""
+    blocks = rng.integers(0, 256, size=(rows, cols // 32, qtype.block_bytes), dtype=np.uint8)
+    blocks[:, :, 0:2] = rng.uniform(-0.1, 0.1, (rows, cols // 32, 1)).astype(np.float16).view(np.uint8)
+    if qtype is QuantType.Q4_1:
+        blocks[:, :, 2:4] = rng.uniform(-0.2, 0.2, (rows, cols // 32, 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Every SIMD path this CPU has (a path it lacks falls back to the next one down)."""
+    EXTENSION.limit_instruction_set(request.param)
+    yield request.param
+    EXTENSION.limit_instruction_set("avx512")
+
+
+@pytest.mark.parametrize("qtype", list(QuantType), ids=lambda t: t.name)
+def test_blocks_decode_as_gguf_dequantizes_them(qtype):
+    rng = np.random.default_rng()
+    blocks = random_blocks(qtype, 7, 96, rng)
+    expected = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype.name])  # [7, 96] float32
+    weight = QuantizedWeight.from_gguf_blocks(blocks, qtype)
+    torch.testing.assert_close(dequantize_ref(weight), torch.from_numpy(expected).double(), rtol=0, atol=1e-6)
+    assert torch.equal(dequantize_rows(weight), torch.from_numpy(expected))
+
+
+@pytest.mark.parametrize("qtype", list(QuantType), ids=lambda t: t.name)
+def test_matmul_matches_float64_reference(qtype, isa):
+    rng = np.random.default_rng()
+    # Odd row counts (a weight row left over after the pairs), several widths, and every batch 1..17.
+    for rows, cols in ((1, 32), (37, 96), (66, 160), (5, 576)):
+        weight = QuantizedWeight.from_gguf_blocks(random_blocks(qtype, rows, cols, rng), qtype)
+        for num_rows in range(1, 18):
+            x = torch.randn(num_rows, cols)
+            out = torch.full((num_rows, rows), float("nan"))
+            quant_matmul(x, weight, out)
+            expected = quant_matmul_ref(x, weight)
+            scale = (x.double().abs() @ dequantize_ref(weight).abs().T).max()
+            assert (out.double() - expected).abs().max() <= 1e-6 * scale, (isa, rows, cols, num_rows)
+
+
+def test_matmul_writes_only_its_column_slice(isa):
+    rng = np.random.default_rng()
+    weight = QuantizedWeight.from_gguf_blocks(random_blocks(QuantType.Q4_1, 9, 64, rng), QuantType.Q4_1)
+    x = torch.randn(3, 64)
+    wide = torch.full((3, 20), -7.0)
+    quant_matmul(x, weight, wide[:, 5:14])
+    torch.testing.assert_close(wide[:, 5:14].double(), quant_matmul_ref(x, weight), rtol=1e-5, atol=1e-5)
+    assert (wide[:, :5] == -7).all() and (wide[:, 14:] == -7).all()
+
+
+def test_dequantize_rows_picks_rows_and_checks_range():
+    rng = np.random.default_rng()
+    weight = QuantizedWeight.from_gguf_blocks(random_blocks(QuantType.Q8_0, 50, 64, rng), QuantType.Q8_0)
+    rows = torch.tensor([49, 0, 7, 7])
+    assert torch.equal(dequantize_rows(weight, rows).double(), dequantize_ref(weight)[rows])
+    with pytest.raises(RuntimeError, match="row 50 out of range"):
+        dequantize_rows(weight, torch.tensor([50]))
+
+
+def test_bad_shapes_are_refused():
+    rng = np.random.default_rng()
+    weight = QuantizedWeight.from_gguf_blocks(random_blocks(QuantType.Q4_0, 4, 64, rng), QuantType.Q4_0)
+    with pytest.raises(RuntimeError, match="x has 96 columns, the weight 64"):
+        quant_matmul(torch.randn(2, 96), weight)
+    with pytest.raises(ValueError, match="do not match"):
+        QuantizedWeight(QuantType.Q4_0, weight.qs[:, :16], weight.scales, weight.mins)
+
+
+def test_linear_stacks_parts_and_expands_for_large_batches():
+    """q, k, v rows of different types in one layer; small batches run in blocks, large ones dense."""
+    rng = np.random.default_rng()
+    parts = [QuantizedWeight.from_gguf_blocks(random_blocks(t, n, 64, rng), t)
+             for t, n in ((QuantType.Q4_1, 6), (QuantType.Q4_1, 3), (QuantType.Q8_0, 3))]
+    linear = Linear(64, 12, bias=True, dtype=torch.float32, device="cpu")
+    linear.bias.copy_(torch.randn(12))
+    for first, part in zip((0, 6, 9), parts):
+        linear.load_quantized_rows(first, part)
+    linear.pack()
+    assert [(first, w.qtype, w.shape[0]) for first, w in linear.quantized] == [(0, QuantType.Q4_1, 9),
+                                                                              (9, QuantType.Q8_0, 3)]
+    assert linear.weight.numel() == 0  # the float copy is released
+    dense = torch.cat([dequantize_ref(p) for p in parts])
+    for num_rows in (1, MAX_QUANTIZED_MATMUL_ROWS, MAX_QUANTIZED_MATMUL_ROWS + 1):
+        x = torch.randn(num_rows, 64)
+        expected = x.double() @ dense.T + linear.bias.double()
+        torch.testing.assert_close(linear(x).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_with_some_dense_rows_expands_the_rest():
+    rng = np.random.default_rng()
+    part = QuantizedWeight.from_gguf_blocks(random_blocks(QuantType.Q4_0, 4, 32, rng), QuantType.Q4_0)
+    linear = Linear(32, 6, bias=False, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        linear.weight[4:].copy_(torch.randn(2, 32))
+    dense_rows = linear.weight[4:].clone()
+    linear.load_quantized_rows(0, part)
+    linear.pack(release_weight=False)
+    assert linear.quantized == []
+    expected = torch.cat([dequantize_ref(part).float(), dense_rows])
+    torch.testing.assert_close(linear.weight.detach(), expected, rtol=0, atol=1e-6)
+
+
+def test_packed_model_generates_what_the_dequantized_model_does(smollm, smollm_dequantized, smollm_prompts):
+    """The embedded Q4_1 GGUF run in its blocks against the same file expanded to float32 at load."""
+    assert smollm.model.quantized_embedding is not None
+    assert smollm.model.num_weight_bytes < smollm_dequantized.model.num_weight_bytes / 4
+    prompts = smollm_prompts[:6]
+    got = PagedHarness(smollm.model, num_blocks=128, block_size=16).generate(prompts, 32)
+    expected = PagedHarness(smollm_dequantized.model, num_blocks=128, block_size=16).generate(prompts, 32)
+    assert got == expected
+    # The prompts' prefill runs the dense path (more rows than MAX_QUANTIZED_MATMUL_ROWS): check one row.
+    long_prompt = [ids for ids in smollm_prompts if len(ids) > MAX_QUANTIZED_MATMUL_ROWS][0]
+    logits = PagedHarness(smollm.model).step([long_prompt], [0], [[]])
+    reference = PagedHarness(smollm_dequantized.model).step([long_prompt], [0], [[]])
+    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-3)
