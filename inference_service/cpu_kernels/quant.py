@@ -25,7 +25,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 BLOCK_SIZE = 32
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quant_matmul.cpp")
+_SOURCES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+            for name in ("quant_matmul.cpp", "norm_rope.cpp", "bindings.cpp")]
 _EXTENSION_NAME = "inference_service_cpu_quant"
 
 
@@ -60,13 +61,20 @@ def load_extension():
             try:
                 from torch.utils import cpp_extension
 
-                _extension = cpp_extension.load(name=_EXTENSION_NAME, sources=[_SOURCE],
+                _extension = cpp_extension.load(name=_EXTENSION_NAME, sources=_SOURCES,
                                                 extra_cflags=["-O3", "-fopenmp"], verbose=False)
             except Exception as exc:  # no compiler, no headers: serve dequantized instead
                 logger.warning("cannot build the CPU quantized-matmul extension (%s); GGUF weights will be "
                                "dequantized at load", exc)
                 _load_failed = True
         return _extension
+
+
+def cpu_ops_for(tensor: torch.Tensor):
+    """The extension, for a layer whose float32 CPU tensors its norm and rotary ops take; else None."""
+    if tensor.device.type != "cpu" or tensor.dtype != torch.float32:
+        return None
+    return load_extension()
 
 
 @dataclass

@@ -13,7 +13,8 @@
 //
 // Paths, chosen at run time: AVX-512, AVX2 + FMA, and a scalar one for other CPUs.
 
-#include <torch/extension.h>
+#include "ops.h"
+
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
@@ -303,9 +304,11 @@ Isa detect_isa() {
 Isa g_forced_isa = Isa::kAvx512;
 Isa active_isa() { return std::min(detect_isa(), g_forced_isa); }
 
+}  // namespace
+
 // ----------------------------------------------------------------------------------- entry points
 
-void check_weight(const torch::Tensor& qs, const torch::Tensor& scales, const torch::Tensor& mins, int64_t qtype) {
+static void check_weight(const torch::Tensor& qs, const torch::Tensor& scales, const torch::Tensor& mins, int64_t qtype) {
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "unknown quant type ", qtype);
   TORCH_CHECK(qs.dtype() == torch::kUInt8 && qs.dim() == 2 && qs.is_contiguous(), "qs must be contiguous uint8 [R, B * QB]");
   TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.dim() == 2 && scales.is_contiguous(),
@@ -390,7 +393,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& qs, const torch::Tensor& scal
   return out;
 }
 
-const char* isa_name(Isa isa) { return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "scalar"; }
+static const char* isa_name(Isa isa) { return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "scalar"; }
 
 std::string instruction_set() { return isa_name(active_isa()); }
 
@@ -399,13 +402,4 @@ std::string limit_instruction_set(const std::string& name) {
   TORCH_CHECK(name == "avx512" || name == "avx2" || name == "scalar", "unknown instruction set ", name);
   g_forced_isa = name == "avx512" ? Isa::kAvx512 : name == "avx2" ? Isa::kAvx2 : Isa::kScalar;
   return instruction_set();
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quant_matmul", &quant_matmul, "out[N, R] = x[N, K] @ dequant(W)[R, K]^T");
-  m.def("dequantize_rows", &dequantize_rows, "dequant(W)[rows] as float32");
-  m.def("instruction_set", &instruction_set, "the SIMD path in use on this CPU");
-  m.def("limit_instruction_set", &limit_instruction_set, "cap the SIMD path (for tests and comparisons)");
 }

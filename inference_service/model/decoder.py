@@ -24,7 +24,7 @@ from torch import nn
 
 from inference_service.attention.backend import AttentionBackend, get_attention_backend
 from inference_service.attention.metadata import AttentionMetadata
-from inference_service.cpu_kernels.quant import QuantizedWeight, dequantize_rows
+from inference_service.cpu_kernels.quant import QuantizedWeight, cpu_ops_for, dequantize_rows
 from inference_service.errors import UnsupportedModelError
 from inference_service.model.config import ModelConfig
 from inference_service.model.linear import Linear
@@ -58,8 +58,14 @@ class RMSNorm(nn.Module):
         self.weight = _param(dim, dtype=dtype, device=device)
         self.eps = eps
         self.shape = (dim,)
+        self._cpu_ops = cpu_ops_for(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., H] -> normed [..., H]. With `add`, x += add in place first (the residual stream)."""
+        if self._cpu_ops is not None and x.dim() == 2 and x.is_contiguous():
+            return self._cpu_ops.add_rms_norm(x, add, self.weight, self.eps)
+        if add is not None:
+            x.add_(add)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.shape, self.weight, self.eps)
         # Lower precision: normalize in fp32 like HF, then scale in the model dtype.
@@ -130,8 +136,8 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
         # `hidden` is the residual stream [T, H]; both sub-blocks add into it in place.
-        hidden.add_(self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata))
-        hidden.add_(self.mlp(self.post_attention_layernorm(hidden)))
+        attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
+        hidden.add_(self.mlp(self.post_attention_layernorm(hidden, add=attn_out)))
         return hidden
 
 

@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from inference_service.cpu_kernels.quant import cpu_ops_for
+
 from inference_service.errors import UnsupportedModelError
 from inference_service.model.config import ModelConfig
 
@@ -118,6 +120,7 @@ class RotaryEmbedding:
         sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.cos = cos.to(device=device, dtype=dtype)  # [P, D]
         self.sin_signed = sin_signed.to(device=device, dtype=dtype)  # [P, D]
+        self._cpu_ops = cpu_ops_for(self.cos)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin for `positions` [T] -> each [T, 1, D], broadcast over heads."""
@@ -125,6 +128,9 @@ class RotaryEmbedding:
 
     def apply_(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, H, D] in place (x may be a view into a larger buffer) and return it."""
+        if self._cpu_ops is not None:  # one call, the same arithmetic
+            self._cpu_ops.rotary_(x, cos, sin_signed)
+            return x
         rotated = torch.roll(x, shifts=self.head_dim // 2, dims=-1)  # [T, H, D] = cat(x2, x1)
         rotated.mul_(sin_signed)
         x.mul_(cos).add_(rotated)

@@ -1,0 +1,11 @@
+// Python bindings of the CPU kernels (one extension module; see quant.py for how it is built).
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_matmul", &quant_matmul, "out[N, R] = x[N, K] @ dequant(W)[R, K]^T");
+  m.def("dequantize_rows", &dequantize_rows, "dequant(W)[rows] as float32");
+  m.def("instruction_set", &instruction_set, "the SIMD path in use on this CPU");
+  m.def("limit_instruction_set", &limit_instruction_set, "cap the SIMD path (for tests and comparisons)");
+  m.def("add_rms_norm", &add_rms_norm, "hidden += delta (if given), then weight * hidden / rms(hidden)");
+  m.def("rotary_", &rotary_, "x = x * cos + rotate_half(x) * sin, in place");
+}

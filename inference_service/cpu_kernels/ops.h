@@ -1,0 +1,20 @@
+// The CPU kernels' entry points, bound to Python in bindings.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <optional>
+#include <string>
+
+// quant_matmul.cpp: GGUF Q4_0 / Q4_1 / Q8_0 weights executed in their blocks.
+void quant_matmul(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& scales,
+                  const torch::Tensor& mins, int64_t qtype, torch::Tensor& out);
+torch::Tensor dequantize_rows(const torch::Tensor& qs, const torch::Tensor& scales, const torch::Tensor& mins,
+                              int64_t qtype, const torch::Tensor& rows);
+std::string instruction_set();
+std::string limit_instruction_set(const std::string& name);
+
+// norm_rope.cpp: the decoder's small per-layer ops, one call each instead of several torch ops.
+torch::Tensor add_rms_norm(torch::Tensor& hidden, const std::optional<torch::Tensor>& delta,
+                           const torch::Tensor& weight, double eps);
+void rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin_signed);
