@@ -22,6 +22,7 @@ from rest_proxy.errors import invalid_request
 # llguidance quotes the grammar around an error as numbered lines ("   1 | start: /((/"): for formats the
 # proxy wrapped (a regex, a list of choices) those lines are the proxy's text, not the client's.
 _GRAMMAR_CONTEXT = re.compile(r"\n\s*\d+ \|.*", re.DOTALL)
+_GRAMMAR_POSITION = re.compile(r"^at \d+\(\d+\): ")  # a line and column in that text
 
 
 def _compile_error(grammar: str) -> str:
@@ -64,7 +65,7 @@ def check_format(kind: str, value: str, param: str) -> None:
     if not error:
         return
     if kind != "grammar":
-        error = _GRAMMAR_CONTEXT.sub("", error)
+        error = _GRAMMAR_POSITION.sub("", _GRAMMAR_CONTEXT.sub("", error)).replace(" (in regex)", "")
     raise invalid_request(f"{param} is invalid: {error}", param)
 
 
