@@ -21,6 +21,11 @@ _WS = " \t\r\n"
 _ARGUMENT_KEYS = ("arguments", "parameters")
 
 
+# Arguments spaced as `json.dumps` spaces them (as `render_calls` shows calls to the model): given free
+# whitespace, a small model can spend its tokens on newlines and never close the call.
+_COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
@@ -123,7 +128,8 @@ class ToolParser(ABC):
         if len(ends) != 1:
             return None
         body = [f"({' | '.join(firsts)})"] + ([f"({' | '.join(mores)})*"] if mores else []) + literal(ends.pop())
-        rules = [f"args_{i}: %json {json.dumps(params or {'type': 'object'})}" for i, (_, params) in enumerate(tools)]
+        rules = [f"args_{i}: %json {json.dumps({'x-guidance': _COMPACT_JSON, **(params or {'type': 'object'})})}"
+                 for i, (_, params) in enumerate(tools)]
         return "\n".join([f"start: {' '.join(body)}", *rules])
 
     def text_regexes(self) -> tuple[str, str] | None:
