@@ -125,7 +125,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         else:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             template = client.info.chat_template if client.info else ""
-            parser = chat.parser_for(client) if tools else None
+            parser = chat.parser_for(client)  # past calls are written in its markup even with no tools
             request.render_chat.CopyFrom(chat_input(
                 req.messages, tools=tools, parser=parser, native_tools=template_renders_tools(template),
                 add_generation_prompt=req.add_generation_prompt))

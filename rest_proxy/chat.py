@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from inference_service.api import pb
 from rest_proxy.chat_state import ChoiceState
 from rest_proxy.engine_client import EngineClient, EngineRouter
-from rest_proxy.errors import invalid_request
+from rest_proxy.errors import ProxyError, invalid_request
 from rest_proxy.metrics import ProxyMetrics
 from rest_proxy.protocol import ChatCompletionRequest, ChatMessageParam, FunctionCallParam, ToolCallParam
+from rest_proxy.schemas import check_json_schema, strict_schema
 from rest_proxy.tool_parsers import ToolParser, get_parser, select_parser
 from rest_proxy.translate import (add_usage, chat_input, chat_logprobs, check_wire_safe, finish_reason,
-                                  sampling_params, stopping_criteria, system_fingerprint,
-                                  template_renders_tools, usage_dict)
+                                  format_field, map_format_error, sampling_params, stopping_criteria,
+                                  system_fingerprint, template_renders_tools, usage_dict)
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +36,13 @@ class ChatPlan:
     req: ChatCompletionRequest
     client: EngineClient
     messages: list[ChatMessageParam]
-    tools: list[dict] | None
-    parser: ToolParser | None
+    tools: list[dict] | None  # the tools offered this turn (None: none, or tool_choice "none")
+    parser: ToolParser  # the model's tool format: past calls are written in it whether or not tools are offered
     native_tools: bool
+    # Each offered tool's arguments schema as calls are constrained to it (a strict tool's as strict mode reads it).
+    schemas: dict[str, dict | None] = field(default_factory=dict)
+    strict: frozenset[str] = frozenset()  # the offered tools with `strict: true`
+    format_param: str | None = None  # the client field behind the engine's format constraint
     forced: str | None = None  # the function a forced call must name ("" means any)
     prefill: str | None = None
     execute_mcp: bool = False
@@ -87,20 +92,22 @@ class ChatService:
                 raise invalid_request("tool_choice 'required' needs at least one tool", "tool_choice")
             forced = ""
         active = bool(tools) and choice != "none"
-        parser = self.parser_for(client) if active else None
+        schemas, strict = _tool_schemas(req, forced)
         plan = ChatPlan(req=req, client=client, messages=list(req.messages), tools=tools if active else None,
-                        parser=parser, native_tools=template_renders_tools(info.chat_template if info else ""),
-                        forced=forced, top_logprobs=req.top_logprobs or 0,
-                        execute_mcp=injected and active and self.mcp_execute and req.n == 1)
-        if forced is not None and parser is not None and not req.continue_final_message:
-            plan.prefill = parser.call_prefix(forced or None)
+                        parser=self.parser_for(client),
+                        native_tools=template_renders_tools(info.chat_template if info else ""),
+                        schemas=schemas, strict=frozenset(strict), forced=forced, top_logprobs=req.top_logprobs or 0,
+                        execute_mcp=injected and active and self.mcp_execute and req.n == 1,
+                        format_param=format_field(req))
+        if forced is not None and active and not req.continue_final_message:
+            plan.prefill = plan.parser.call_prefix(forced or None)
         return plan
 
     def _start(self, plan: ChatPlan, messages: list[ChatMessageParam], offer_tools: bool,
                first_round: bool) -> pb.StartGeneration:
         req = plan.req
         tools = plan.tools if offer_tools else None
-        chat = chat_input(messages, tools=tools, parser=plan.parser if tools else None,
+        chat = chat_input(messages, tools=tools, parser=plan.parser,
                           native_tools=plan.native_tools, prefill=plan.prefill if first_round else None,
                           add_generation_prompt=req.add_generation_prompt,
                           continue_final_message=req.continue_final_message and first_round,
@@ -111,6 +118,8 @@ class ChatService:
             stopping=stopping_criteria(req, req.max_completion_tokens or req.max_tokens))
         if first_round and plan.prefill is not None and plan.forced is not None:
             self._constrain_forced_call(plan, start)
+        elif tools and plan.strict & {t["function"]["name"] for t in tools}:
+            self._constrain_strict_calls(plan, start)
         check_wire_safe(start)
         return start
 
@@ -120,8 +129,8 @@ class ChatService:
         that function, or to any of the tools) with arguments matching the tool's parameter schema, and the end
         of the markup, so even a small model's calls parse."""
         named = bool(plan.forced)
-        tools = [(t["function"]["name"], t["function"].get("parameters")) for t in plan.tools
-                 if not named or t["function"]["name"] == plan.forced]
+        tools = [(t["function"]["name"], plan.schemas.get(t["function"]["name"], t["function"].get("parameters")))
+                 for t in plan.tools if not named or t["function"]["name"] == plan.forced]
         grammar = plan.parser.calls_grammar(tools, named=named, parallel=plan.req.parallel_tool_calls)
         if grammar is None:
             return
@@ -130,6 +139,22 @@ class ChatService:
                                   "itself: it cannot be combined with response_format, structured_outputs or "
                                   "guided_*", "tool_choice")
         start.sampling.structured_output.lark_grammar = grammar
+        plan.format_param = _tool_param(plan, plan.forced)
+
+    @staticmethod
+    def _constrain_strict_calls(plan: ChatPlan, start: pb.StartGeneration) -> None:
+        """tool_choice "auto" with `strict` tools: the model may answer in text, but a call it opens names one of
+        the tools, a strict one's arguments match its schema and any other's are a JSON object. A request format
+        (response_format, guided_*) constrains the text instead, and the calls are then left free."""
+        if start.sampling.HasField("structured_output"):
+            return
+        names = [t["function"]["name"] for t in plan.tools]
+        tools = [(name, (plan.schemas.get(name) if name in plan.strict else None) or {"type": "object"})
+                 for name in names]
+        grammar = plan.parser.text_or_calls_grammar(tools, parallel=plan.req.parallel_tool_calls)
+        if grammar is not None:
+            start.sampling.structured_output.lark_grammar = grammar
+            plan.format_param = _tool_param(plan, None)
 
     async def _events(self, plan: ChatPlan) -> AsyncIterator[tuple]:
         """Yields ("delta", index, delta, logprobs), ("finish", index, reason) and ("usage", dict)."""
@@ -146,7 +171,7 @@ class ChatService:
                                   forced=plan.forced if first and parser else None)
                       for _ in range(plan.req.n)]
             start = self._start(plan, messages, offer_tools, first)
-            async with aclosing(plan.client.generate(start)) as responses:
+            async with aclosing(self._generate(plan, start)) as responses:
                 async for resp in responses:
                     if resp.index >= len(states):
                         continue
@@ -177,6 +202,20 @@ class ChatService:
                 yield ("finish", 0, state.finish_reason or "stop")
             break
         yield ("usage", usage or usage_dict(None))
+
+    @staticmethod
+    async def _generate(plan: ChatPlan, start: pb.StartGeneration) -> AsyncIterator[pb.GenerateResponse]:
+        """The engine's responses; its errors about the format name the client field the proxy translated."""
+        try:
+            async with aclosing(plan.client.generate(start)) as responses:
+                async for resp in responses:
+                    yield resp
+        except ProxyError as err:
+            if plan.format_param is None:
+                raise
+            # NOTE: a tool constraint is the proxy's own grammar: the engine's message would quote it.
+            raise map_format_error(err, plan.format_param,
+                                   detail=not plan.format_param.startswith("tools")) from None
 
     async def _run_mcp_calls(self, state: ChoiceState) -> list[ChatMessageParam]:
         calls = state.calls
@@ -269,3 +308,30 @@ def _accumulate(state: ChoiceState, deltas: list[dict], lps: list[dict] | None) 
                 state.calls[tc["index"]]["function"]["arguments"] += tc["function"]["arguments"]
     if lps:
         state.logprobs += lps
+
+
+def _tool_schemas(req: ChatCompletionRequest, forced: str | None) -> tuple[dict[str, dict | None], set[str]]:
+    """Check every tool's parameter schema (400 naming `tools[i].function.parameters`), whatever the
+    tool_choice: a valid JSON schema, and one llguidance compiles where calls will be constrained to it (forced,
+    or `strict`). Returns each tool's schema as calls are held to it, and the names of the strict tools."""
+    schemas: dict[str, dict | None] = {}
+    strict: set[str] = set()
+    for i, tool in enumerate(req.tools or []):
+        fn, param = tool.function, f"tools[{i}].function.parameters"
+        schema = fn.parameters
+        if fn.strict:
+            schema = strict_schema(schema, param)
+            strict.add(fn.name)
+        constrained = bool(fn.strict) or forced == "" or forced == fn.name
+        if schema is not None or constrained:
+            check_json_schema(schema if schema is not None else {"type": "object"}, param, constrained=constrained)
+        schemas[fn.name] = schema
+    return schemas, strict
+
+
+def _tool_param(plan: ChatPlan, name: str | None) -> str:
+    """The client field to blame for a tool-call constraint: the one tool's parameters, or all the tools."""
+    names = [t.function.name for t in plan.req.tools or []]
+    if name and name in names:
+        return f"tools[{names.index(name)}].function.parameters"
+    return "tools"

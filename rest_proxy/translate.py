@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from inference_service.api import pb
 from rest_proxy.errors import ProxyError, invalid_request
 from rest_proxy.protocol import ChatMessageParam, _SamplingFields
+from rest_proxy.schemas import check_format, check_json_schema, parse_json_schema
 from rest_proxy.tool_parsers import ToolParser
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -45,10 +46,14 @@ def sampling_params(req: _SamplingFields, *, logprobs: bool = False, top_logprob
     return params
 
 
-def structured_output(req: _SamplingFields) -> pb.StructuredOutput | None:
-    """The request's format constraint: `response_format` (json_object, json_schema), vLLM's
-    `structured_outputs` or its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (Lark);
-    None for free text. More than one is a 400 naming the second."""
+def format_field(req: _SamplingFields) -> str | None:
+    """The request field that carries its format constraint (`response_format`, `guided_regex`,
+    `structured_outputs.json`, ...), or None; more than one is a 400 naming the second."""
+    given = _given_formats(req)
+    return next(iter(given), None)
+
+
+def _given_formats(req: _SamplingFields) -> dict[str, tuple[str, object]]:
     given: dict[str, tuple[str, object]] = {}  # request field -> (format kind, value)
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -57,7 +62,7 @@ def structured_output(req: _SamplingFields) -> pb.StructuredOutput | None:
         if fmt.json_schema is None or fmt.json_schema.json_schema is None:
             raise invalid_request("response_format of type json_schema needs json_schema.schema",
                                   "response_format.json_schema.schema")
-        given["response_format"] = ("json", fmt.json_schema.json_schema)
+        given["response_format.json_schema.schema"] = ("json", fmt.json_schema.json_schema)
     vllm = req.structured_outputs
     fields = {} if vllm is None else {"json": vllm.json_, "regex": vllm.regex, "choice": vllm.choice,
                                       "grammar": vllm.grammar, "json_object": vllm.json_object or None}
@@ -66,20 +71,52 @@ def structured_output(req: _SamplingFields) -> pb.StructuredOutput | None:
                    for kind in ("json", "regex", "choice", "grammar")})
     given.update({name: pair for name, pair in fields.items() if pair[1] is not None})
     if len(given) > 1:
-        raise invalid_request(f"give at most one of {', '.join(given)}", list(given)[1])
+        names = [name.split(".json_schema")[0] for name in given]
+        raise invalid_request(f"give at most one of {', '.join(names)}", names[1])
+    return given
+
+
+def structured_output(req: _SamplingFields) -> pb.StructuredOutput | None:
+    """The request's format constraint: `response_format` (json_object, json_schema), vLLM's
+    `structured_outputs` or its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (Lark);
+    None for free text. More than one, or one that does not compile, is a 400 naming the client's field."""
+    given = _given_formats(req)
     if not given:
         return None
-    kind, value = next(iter(given.values()))
+    param, (kind, value) = next(iter(given.items()))
     if kind == "json_object":
         return pb.StructuredOutput(json_object=True)
     if kind == "json":
+        schema = parse_json_schema(value, param)
+        check_json_schema(schema, param, constrained=True)
         return pb.StructuredOutput(json_schema=value if isinstance(value, str) else json.dumps(value))
     if kind == "regex":
+        check_format("regex", value, param)
         return pb.StructuredOutput(regex=value)
     if kind == "choice":
         # A Lark alternation of JSON-quoted literals: no character of a choice needs regex escaping.
-        return pb.StructuredOutput(lark_grammar="start: " + " | ".join(json.dumps(c) for c in value))
+        grammar = "start: " + " | ".join(json.dumps(c) for c in value)
+        check_format("choice", grammar, param)
+        return pb.StructuredOutput(lark_grammar=grammar)
+    check_format("grammar", value, param)
     return pb.StructuredOutput(lark_grammar=value)
+
+
+def map_format_error(err: ProxyError, param: str, *, detail: bool = True) -> ProxyError:
+    """An engine error about the format (`sampling.structured_output...`) blamed on the client's field
+    `param` that the proxy translated into it, with the engine's explanation only with `detail`; any other
+    error unchanged."""
+    field = err.param or ""
+    if not field.startswith("sampling.structured_output"):
+        return err
+    if not detail:
+        message = f"{param} cannot be used to constrain the output for this model"
+    elif field in err.message:
+        message = err.message.replace(field, param)
+    else:
+        message = f"{param}: {err.message}"
+    return ProxyError(err.status, message, type=err.type, param=param, code=err.code)
+
 
 def stopping_criteria(req: _SamplingFields, max_tokens: int | None) -> pb.StoppingCriteria:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -112,8 +149,9 @@ def chat_input(messages: list[ChatMessageParam], *, tools: list[dict] | None, pa
     """Build the engine's chat input.
 
     A template that renders tools gets them as `tools_json` and messages with structured tool calls.
-    For one that does not (SmolLM2's), the tools become a system prompt in the parser's format,
-    and earlier calls and results become text in that format.
+    For one that does not (SmolLM2's), the tools become a system prompt in the parser's format, and
+    earlier calls and results become text in that format, whether or not tools are offered this turn
+    (`tools` None): the template could not render them otherwise.
     """
     out: list[pb.ChatMessage] = []
     for i, msg in enumerate(messages):

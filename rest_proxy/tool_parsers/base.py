@@ -21,6 +21,11 @@ _WS = " \t\r\n"
 _ARGUMENT_KEYS = ("arguments", "parameters")
 
 
+# Arguments spaced as `json.dumps` spaces them (as `render_calls` shows calls to the model): given free
+# whitespace, a small model can spend its tokens on newlines and never close the call.
+_COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
@@ -123,8 +128,31 @@ class ToolParser(ABC):
         if len(ends) != 1:
             return None
         body = [f"({' | '.join(firsts)})"] + ([f"({' | '.join(mores)})*"] if mores else []) + literal(ends.pop())
-        rules = [f"args_{i}: %json {json.dumps(params or {'type': 'object'})}" for i, (_, params) in enumerate(tools)]
+        rules = [f"args_{i}: %json {json.dumps({'x-guidance': _COMPACT_JSON, **(params or {'type': 'object'})})}"
+                 for i, (_, params) in enumerate(tools)]
         return "\n".join([f"start: {' '.join(body)}", *rules])
+
+    def text_regexes(self) -> tuple[str, str] | None:
+        """(text that opens no call, text that may come before a call's `call_prefix`) as llguidance Lark
+        terminal bodies, for `text_or_calls_grammar`; None where this format cannot say."""
+        return None
+
+    def text_or_calls_grammar(self, tools: list[tuple[str, dict | None]], *, parallel: bool) -> str | None:
+        """A Lark grammar for a whole answer under tool_choice `auto` that holds calls to their schemas: text
+        that opens no call, or text, then calls to `tools` as `calls_grammar` constrains them (and nothing
+        after their closing markup). The model may answer in words, but any call it opens is valid. None
+        where the format has no such grammar."""
+        calls, text = self.calls_grammar(tools, named=False, parallel=parallel), self.text_regexes()
+        if calls is None and parallel:  # a format whose several calls are not one call's markup repeated
+            calls = self.calls_grammar(tools, named=False, parallel=False)
+        if calls is None or text is None:
+            return None
+        start, *rules = calls.split("\n")
+        free, before = text
+        # NOTE: the text before a call and the call's opening are one terminal, so the lexer never has to
+        # decide where free text ends: the text cannot hold the opening, the terminal ends with it.
+        return "\n".join([f"start: TEXT | OPEN {start.removeprefix('start: ')}", f"TEXT: {free}",
+                          f"OPEN: {before} {json.dumps(self.call_prefix(None))}", *rules])
 
     def system_prompt(self, tools: list[dict]) -> str:
         """Instructions describing the tools, for chat templates that cannot render tools."""
@@ -149,6 +177,26 @@ def marker_region(text: str, markers: tuple[str, ...]) -> Region:
                 hold = max(hold, k)
                 break
     return Region(None, len(text) - hold)
+
+
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~/")  # the regex syntax's own (its `\<` is a word boundary), and Lark's `/`
+
+
+def _regex_literal(text: str) -> str:
+    return "".join(f"\\{c}" if c in _REGEX_META else c for c in text)
+
+
+def marker_text(markers: tuple[str, ...]) -> tuple[str, str]:
+    """`text_regexes` of formats introduced by a marker anywhere: any text without the markers."""
+    free = "/(?s:.*)/ & ~/(?s:.*)(" + "|".join(_regex_literal(m) for m in markers) + ")(?s:.*)/"
+    return free, "TEXT"
+
+
+def leading_text(openers: str, prefixes: tuple[str, ...] = ()) -> tuple[str, str]:
+    """`text_regexes` of formats whose calls make up the whole output: text not starting (after whitespace)
+    with an opener or a prefix; only whitespace before a call."""
+    starts = [_regex_literal(c) for c in openers] + [_regex_literal(p) for p in prefixes]
+    return f"/(?s:.*)/ & ~/[ \\t\\r\\n]*({'|'.join(starts)})(?s:.*)/", "/[ \\t\\r\\n]*/"
 
 
 NEVER = Region(None, -1)  # safe_end -1: this output has no markup at all

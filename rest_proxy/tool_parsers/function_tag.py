@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rest_proxy.tool_parsers.base import (PartialCall, Region, ToolParser, marker_region,
+from rest_proxy.tool_parsers.base import (PartialCall, Region, ToolParser, marker_region, marker_text,
                                           raw_json_value, skip_ws)
 
 OPEN, CLOSE = "<function=", "</function>"
@@ -13,6 +13,9 @@ class FunctionTagToolParser(ToolParser):
 
     def find_region(self, text: str) -> Region:
         return marker_region(text, (OPEN,))
+
+    def text_regexes(self) -> tuple[str, str]:
+        return marker_text((OPEN,))
 
     def parse_region(self, region: str, final: bool) -> list[PartialCall]:
         calls: list[PartialCall] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from rest_proxy.tool_parsers.base import (PartialCall, Region, ToolParser, leading_region,
+from rest_proxy.tool_parsers.base import (PartialCall, Region, ToolParser, leading_region, leading_text,
                                           scan_call_sequence)
 
 
@@ -13,6 +13,9 @@ class GenericJsonToolParser(ToolParser):
 
     def find_region(self, text: str) -> Region:
         return leading_region(text, "{[")
+
+    def text_regexes(self) -> tuple[str, str]:
+        return leading_text("{[")
 
     def parse_region(self, region: str, final: bool) -> list[PartialCall]:
         return scan_call_sequence(region, 0, final)[0]

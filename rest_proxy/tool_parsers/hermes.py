@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from rest_proxy.tool_parsers.base import (PartialCall, Region, ToolParser, marker_region,
+from rest_proxy.tool_parsers.base import (PartialCall, Region, ToolParser, marker_region, marker_text,
                                           scan_call_sequence)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -18,6 +18,9 @@ class HermesToolParser(ToolParser):
 
     def find_region(self, text: str) -> Region:
         return marker_region(text, (OPEN,))
+
+    def text_regexes(self) -> tuple[str, str]:
+        return marker_text((OPEN,))
 
     def parse_region(self, region: str, final: bool) -> list[PartialCall]:
         calls: list[PartialCall] = []

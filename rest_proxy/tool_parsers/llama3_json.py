@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from rest_proxy.tool_parsers.base import (PartialCall, Region, ToolParser, leading_region,
+from rest_proxy.tool_parsers.base import (PartialCall, Region, ToolParser, leading_region, leading_text,
                                           scan_call_sequence)
 
 PYTHON_TAG = "<|python_tag|>"
@@ -16,6 +16,9 @@ class Llama3JsonToolParser(ToolParser):
 
     def find_region(self, text: str) -> Region:
         return leading_region(text, "{", (PYTHON_TAG,))
+
+    def text_regexes(self) -> tuple[str, str]:
+        return leading_text("{", (PYTHON_TAG,))
 
     def parse_region(self, region: str, final: bool) -> list[PartialCall]:
         start = region.find(PYTHON_TAG) + len(PYTHON_TAG) if region.startswith(PYTHON_TAG) else 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from rest_proxy.tool_parsers.base import (PartialCall, Region, ToolParser, marker_region,
+from rest_proxy.tool_parsers.base import (PartialCall, Region, ToolParser, marker_region, marker_text,
                                           raw_json_value, scan_call_sequence, skip_ws)
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -18,6 +18,9 @@ class MistralToolParser(ToolParser):
 
     def find_region(self, text: str) -> Region:
         return marker_region(text, (MARKER,))
+
+    def text_regexes(self) -> tuple[str, str]:
+        return marker_text((MARKER,))
 
     def parse_region(self, region: str, final: bool) -> list[PartialCall]:
         calls: list[PartialCall] = []

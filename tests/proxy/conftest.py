@@ -1,11 +1,20 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import OpenAI
 
 from rest_proxy.config import ProxyConfig
-from tests.proxy.fake_engine import FakeEngineServer
+from tests.proxy.fake_engine import FakeEngineServer, free_port
 from tests.proxy.servers import ProxyServer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="session")
@@ -49,3 +58,55 @@ def start_proxy():
     yield start
     for server in started:
         server.stop()
+
+
+# -- the real engine with the embedded SmolLM2, shared by every module that needs it ---------------------
+@pytest.fixture(scope="session")
+def real_engine(tmp_path_factory):
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("engine") / "engine.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "inference_service.cli", "serve", "--host", "127.0.0.1",
+                             "--port", str(port), "--max-waiting-requests", "2"],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    target = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"engine exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"engine not SERVING within 120 s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.3)
+    yield target
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="session")
+def real_proxy(real_engine):
+    server = ProxyServer(ProxyConfig(engines=[real_engine])).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def sdk(real_proxy) -> OpenAI:
+    return OpenAI(base_url=real_proxy.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def model(sdk) -> str:
+    models = sdk.models.list().data
+    assert len(models) == 1
+    return models[0].id

@@ -7,78 +7,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import re
-import subprocess
-import sys
-import time
 
-import grpc
 import openai
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import OpenAI
 
 from rest_proxy.config import ProxyConfig
 from tests.proxy.fake_engine import free_port
 from tests.proxy.servers import ProxyServer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                            "required": ["city"]}}}
-
-
-@pytest.fixture(scope="session")
-def real_engine(tmp_path_factory):
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("engine") / "engine.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "inference_service.cli", "serve", "--host", "127.0.0.1",
-                             "--port", str(port), "--max-waiting-requests", "2"],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    target = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"engine exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"engine not SERVING within 120 s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.3)
-    yield target
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-@pytest.fixture(scope="session")
-def real_proxy(real_engine):
-    server = ProxyServer(ProxyConfig(engines=[real_engine])).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def sdk(real_proxy) -> OpenAI:
-    return OpenAI(base_url=real_proxy.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="session")
-def model(sdk) -> str:
-    models = sdk.models.list().data
-    assert len(models) == 1
-    return models[0].id
 
 
 @pytest.fixture(scope="session")
@@ -277,7 +219,7 @@ def test_vllm_guided_fields_on_completions(sdk, model):
 
 
 def test_bad_formats_are_400_naming_the_field(sdk, model):
-    cases = [({"extra_body": {"guided_regex": "(("}}, "sampling.structured_output.regex"),
+    cases = [({"extra_body": {"guided_regex": "(("}}, "guided_regex"),
              ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}}, "guided_regex"),
              ({"extra_body": {"structured_outputs": {"regex": "a", "grammar": "start: \"a\""}}},
               "structured_outputs.grammar"),

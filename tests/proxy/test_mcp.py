@@ -137,6 +137,11 @@ def test_rounds_are_bounded(mcp_proxy, engine):
     assert len(engine.requests) == 5
     assert offered(engine) == ""  # the last round offers no tools
     assert resp.choices[0].finish_reason == "stop"
+    # ... but the calls already made stay in the prompt, in the model's tool markup (its template cannot
+    # render structured calls).
+    last = engine.requests[-1].chat.messages
+    assert [m.role for m in last[-2:]] == ["assistant", "tool"] and not last[-2].tool_calls
+    assert last[-2].content == '<tool_call>\n{"name": "calc__add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 
 
 def test_tools_list_changed_refreshes(mcp_proxy, engine):

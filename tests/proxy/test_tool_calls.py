@@ -151,3 +151,26 @@ def test_n2_each_choice_parses_its_own_calls(client, engine):
     resp = ask(client, n=2)
     assert resp.choices[0].finish_reason == "tool_calls" and resp.choices[0].message.tool_calls[0].function.name == "get_time"
     assert resp.choices[1].finish_reason == "stop" and resp.choices[1].message.content == "No call."
+
+
+HISTORY = [
+    {"role": "user", "content": "weather?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "22 C"},
+]
+
+
+@pytest.mark.parametrize("offer", [{}, {"tools": []}, {"tools": [WEATHER], "tool_choice": "none"}],
+                         ids=["tools-absent", "tools-empty", "tool-choice-none"])
+@pytest.mark.parametrize("content", [None, ""])
+def test_history_with_tool_calls_but_no_tools_offered_is_still_markup(client, engine, offer, content):
+    engine.script["<tool_response>\n22 C\n</tool_response>"] = "It is 22 C in Paris."
+    messages = [HISTORY[0], {**HISTORY[1], "content": content}, HISTORY[2]]
+    resp = client.chat.completions.create(model="fake-model", messages=messages, **offer)
+    assert resp.choices[0].message.content == "It is 22 C in Paris." and resp.choices[0].message.tool_calls is None
+    msgs = engine.requests[-1].chat.messages
+    assert [m.role for m in msgs] == ["user", "assistant", "tool"]  # no tools system prompt
+    assert msgs[1].content == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert not msgs[1].tool_calls
+    assert msgs[2].content == "<tool_response>\n22 C\n</tool_response>"

@@ -202,3 +202,28 @@ def test_formats_without_json_arguments_get_no_grammar():
     assert get_parser("pythonic").calls_grammar([("get_weather", None)], named=True, parallel=False) is None
     # A lone JSON object, a list of several: several calls do not extend one call's markup.
     assert get_parser("json").calls_grammar([("get_weather", None)], named=False, parallel=True) is None
+
+
+@pytest.mark.parametrize("name", JSON_FORMATS)
+def test_text_or_calls_grammar_takes_any_text_or_valid_calls(name, byte_tokenizer):
+    parser = get_parser(name)
+    tools = [("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)]
+    grammar = parser.text_or_calls_grammar(tools, parallel=True)
+    leading = name in ("llama3_json", "json")  # formats whose calls are the whole answer
+    call = parser.render_calls([("get_weather", '{"city": "Paris"}')])
+    for text in ("", "Hello there.", "Use <tool or [TOOL or {x}", "Line one.\nLine two."):
+        if not (leading and text.lstrip().startswith("{")):
+            assert _accepts(byte_tokenizer, grammar, text), text
+    assert _accepts(byte_tokenizer, grammar, ("  " if leading else "Let me check. ") + call)
+    assert not _accepts(byte_tokenizer, grammar, parser.render_calls([("get_weather", '{"city": "Paris", "x": 1}')]))
+    assert not _accepts(byte_tokenizer, grammar, parser.render_calls([("get_weather", '{"city":"Paris"}')]))
+    assert not _accepts(byte_tokenizer, grammar, parser.render_calls([("invented", '{"city": "Paris"}')]))
+    assert not _accepts(byte_tokenizer, grammar, call + " and more text")
+    two = parser.render_calls([("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "UTC"}')])
+    assert _accepts(byte_tokenizer, grammar, two) == (name != "json")  # a list of calls is not one call repeated
+    single = parser.text_or_calls_grammar(tools, parallel=False)
+    assert _accepts(byte_tokenizer, single, call) and not _accepts(byte_tokenizer, single, two)
+
+
+def test_pythonic_has_no_text_or_calls_grammar():
+    assert get_parser("pythonic").text_or_calls_grammar([("get_weather", None)], parallel=True) is None
