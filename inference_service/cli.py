@@ -68,8 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics over HTTP on this port")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
-    g.add_argument("--max-message-size", type=int, default=64, dest="max_message_mib",
-                   help="largest gRPC message in MiB")
+    g.add_argument("--max-message-size", type=int, default=16, dest="max_message_mib",
+                   help="largest gRPC message in MiB (larger ones are refused with RESOURCE_EXHAUSTED)")
+    g.add_argument("--max-stream-stall", type=float, default=30.0, dest="max_stream_stall_s",
+                   help="seconds a Generate stream's client may leave a response unread before the stream's "
+                        "requests are aborted (RESOURCE_EXHAUSTED) and their KV blocks freed")
+    g.add_argument("--max-queued-responses", type=int, default=65536,
+                   help="responses a Generate stream may hold unread by its client before its requests are aborted")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -110,6 +115,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         metrics_port=args.metrics_port,
         shutdown_timeout=args.shutdown_timeout,
         max_message_mib=args.max_message_mib,
+        max_stream_stall_s=args.max_stream_stall_s,
+        max_queued_responses=args.max_queued_responses,
     )
     return engine, server
 

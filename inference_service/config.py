@@ -104,8 +104,14 @@ class ServerConfig:
     port: int = 50051
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None = off
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
-    max_message_mib: int = 64
+    # Largest gRPC message. Above the proxy's default body limit (8 MiB), far below what would let one
+    # request hold gigabytes while it is decoded and checked.
+    max_message_mib: int = 16
     keepalive_time_s: float = 30.0
+    # A Generate stream whose client has not read a response for this long, or lets more than
+    # `max_queued_responses` wait, gets its requests aborted (RESOURCE_EXHAUSTED) and their KV blocks freed.
+    max_stream_stall_s: float = 30.0
+    max_queued_responses: int = 65536
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -116,3 +122,7 @@ class ServerConfig:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if self.max_message_mib < 1:
             raise ValueError(f"--max-message-size must be >= 1 MiB, got {self.max_message_mib}")
+        if not self.max_stream_stall_s > 0:
+            raise ValueError(f"--max-stream-stall must be > 0 seconds, got {self.max_stream_stall_s}")
+        if self.max_queued_responses < 1:
+            raise ValueError(f"--max-queued-responses must be >= 1, got {self.max_queued_responses}")

@@ -3,7 +3,11 @@ exception-mapping place (`inference_service.server.status_for`) turns them into 
 
 from __future__ import annotations
 
+import logging
+
 import grpc
+
+logger = logging.getLogger(__name__)
 
 
 class EngineError(Exception):
@@ -39,6 +43,15 @@ class ShuttingDownError(EngineError):
     """The engine is draining and takes no new requests."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+def as_engine_error(exc: BaseException) -> EngineError:
+    """What the client is told about `exc`: an `EngineError` as it is; anything else is a bug, logged with
+    its traceback and reported as INTERNAL."""
+    if isinstance(exc, EngineError):
+        return exc
+    logger.error("unexpected error serving a request", exc_info=exc)
+    return EngineError(f"internal error: {type(exc).__name__}: {exc}")
 
 
 class UnsupportedModelError(ValueError):

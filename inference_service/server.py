@@ -20,7 +20,7 @@ from inference_service.engine.async_engine import AsyncEngine
 from inference_service.engine.embedding_engine import create_embedding_engine
 from inference_service.engine.gc_heap import freeze_startup_heap
 from inference_service.engine.llm_engine import LLMEngine, resolve_device, resolve_dtype
-from inference_service.errors import EngineError, InvalidRequestError
+from inference_service.errors import InvalidRequestError, as_engine_error
 from inference_service.model.loader import load_model
 from inference_service.servicer import InferenceServicer
 
@@ -30,11 +30,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The one place that maps exceptions to gRPC statuses."""
-    if isinstance(exc, EngineError):
-        return exc.code, exc.message
-    logger.exception("unexpected error in a handler", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    """The one place that maps exceptions to gRPC statuses (in-band errors go through `as_engine_error` too)."""
+    error = as_engine_error(exc)
+    return error.code, error.message
 
 
 class _Undecodable:
@@ -146,8 +144,10 @@ class EngineServer:
                 ("grpc.keepalive_permit_without_calls", 1),
             ],
         )
-        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.engine, self.model_name, self.embedder),
-                                                  self.server)
+        servicer = InferenceServicer(self.engine, self.model_name, self.embedder,
+                                     max_stream_stall_s=server_config.max_stream_stall_s,
+                                     max_queued_responses=server_config.max_queued_responses)
+        pb_grpc.add_InferenceServiceServicer_to_server(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],

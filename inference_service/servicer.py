@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from inference_service.api import pb, pb_grpc
 from inference_service.convert import (
@@ -22,17 +24,25 @@ from inference_service.convert import (
 from inference_service.engine.async_engine import AsyncEngine
 from inference_service.engine.embedding_engine import EmbeddingEngine
 from inference_service.engine.input_processor import InputProcessor
-from inference_service.engine.request import EngineRequest
-from inference_service.errors import EngineError, InvalidRequestError, UnimplementedError
+from inference_service.engine.request import CompletionDelta, EngineRequest, Usage
+from inference_service.engine.sequence import FinishReason
+from inference_service.errors import InvalidRequestError, ResourceExhaustedError, UnimplementedError, as_engine_error
+from inference_service.stream_output import ResponseQueue
 
 logger = logging.getLogger(__name__)
 
-_WAKE = object()  # wakes the response loop when a request or the reader ends
+_NUM_TOKENIZER_THREADS = 4
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
-    def __init__(self, engine: AsyncEngine | None, model_name: str, embedder: EmbeddingEngine | None = None):
-        """`engine` is None for an encoder model (Generate answers UNIMPLEMENTED); `embedder` serves Embed."""
+    def __init__(self, engine: AsyncEngine | None, model_name: str, embedder: EmbeddingEngine | None = None, *,
+                 max_stream_stall_s: float = float("inf"), max_queued_responses: int | None = None):
+        """`engine` is None for an encoder model (Generate answers UNIMPLEMENTED); `embedder` serves Embed.
+        A Generate stream whose client does not read for `max_stream_stall_s` seconds, or lets more than
+        `max_queued_responses` responses wait, gets its requests aborted with RESOURCE_EXHAUSTED."""
+        self.max_stream_stall_s = max_stream_stall_s
+        self.max_queued_responses = max_queued_responses
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(_NUM_TOKENIZER_THREADS, "tokenize")
         self.engine = engine
         self.llm = engine.engine if engine is not None else None
         self.embedder = embedder
@@ -51,20 +61,38 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         add_special = start.add_special_tokens if start.HasField("add_special_tokens") else None
         return self.llm.input_processor.process(engine_request_id, prompt_from_proto(start), params, add_special)
 
+    async def _off_loop(self, fn, *args):
+        """Runs `fn(*args)` on the tokenizer threads: a long prompt must not stall every other stream."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
     async def Generate(self, request_iterator, context) -> AsyncIterator[pb.GenerateResponse]:
         stream_id = uuid.uuid4().hex[:12]
-        out: asyncio.Queue = asyncio.Queue()
-        active: dict[str, asyncio.Task] = {}  # client request id -> task streaming its deltas
+        out = ResponseQueue(self.max_stream_stall_s, self.max_queued_responses)
+        active: dict[str, asyncio.Task] = {}  # client request id -> task running it
+        in_engine: set[str] = set()  # of those, the ones handed to the engine (cancel aborts them there)
+        cancelled: set[str] = set()  # cancelled before they reached the engine
 
-        async def stream_request(client_id: str, request: EngineRequest) -> None:
+        async def run(client_id: str, msg: pb.StartGeneration) -> None:
+            engine_id = f"{stream_id}-{client_id}"
             try:
-                async for delta in self.engine.generate(request):
-                    out.put_nowait(delta_to_proto(client_id, delta, self.tokenizer))
-            except EngineError as e:
-                out.put_nowait(error_response(client_id, e))
+                request = await self._off_loop(self._make_request, engine_id, msg)
+                if client_id in cancelled:
+                    out.put(delta_to_proto(client_id, aborted_before_start(request), self.tokenizer))
+                    return
+                in_engine.add(client_id)
+                async with aclosing(self.engine.generate(request)) as deltas:
+                    async for delta in deltas:
+                        stall = out.stall_reason()
+                        if stall is not None:  # leaving the loop aborts the request and frees its blocks
+                            raise ResourceExhaustedError(f"request aborted: {stall}")
+                        out.put(delta_to_proto(client_id, delta, self.tokenizer))
+            except Exception as e:  # noqa: BLE001 - one request's failure ends that request, never the stream
+                out.put(error_response(client_id, as_engine_error(e)))
             finally:
                 active.pop(client_id, None)
-                out.put_nowait(_WAKE)
+                in_engine.discard(client_id)
+                cancelled.discard(client_id)
+                out.wake()
 
         def start(msg: pb.StartGeneration) -> None:
             client_id = msg.request_id
@@ -74,8 +102,15 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 raise InvalidRequestError(
                     f"request id {client_id!r} is already running on this stream", field="start.request_id"
                 )
-            request = self._make_request(f"{stream_id}-{client_id}", msg)
-            active[client_id] = asyncio.create_task(stream_request(client_id, request))
+            active[client_id] = asyncio.create_task(run(client_id, msg))
+
+        def cancel(client_id: str) -> None:
+            if client_id not in active:
+                raise InvalidRequestError(f"cancel for unknown request id {client_id!r}", field="cancel.request_id")
+            if client_id in in_engine:
+                self.engine.abort(f"{stream_id}-{client_id}")
+            else:
+                cancelled.add(client_id)
 
         async def read_requests() -> None:
             try:
@@ -86,27 +121,23 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                         if action == "start":
                             start(msg.start)
                         elif action == "cancel":
-                            if client_id not in active:
-                                raise InvalidRequestError(
-                                    f"cancel for unknown request id {client_id!r}", field="cancel.request_id"
-                                )
-                            self.engine.abort(f"{stream_id}-{client_id}")
+                            cancel(client_id)
                         else:
                             raise InvalidRequestError("the message sets neither start nor cancel", field="action")
-                    except EngineError as e:
-                        out.put_nowait(error_response(client_id, e))
+                    except Exception as e:  # noqa: BLE001 - answered in-band; the stream carries on
+                        out.put(error_response(client_id, as_engine_error(e)))
             finally:
-                out.put_nowait(_WAKE)
+                out.wake()
 
-        async for item in _merge_responses(out, active, read_requests()):
+        async for item in out.responses(active, read_requests()):
             yield item
 
     async def Tokenize(self, request_iterator, context) -> AsyncIterator[pb.TokenizeResponse]:
         async for msg in request_iterator:
             try:
-                yield self._tokenize(msg)
-            except EngineError as e:
-                yield pb.TokenizeResponse(request_id=msg.request_id, error=error_to_proto(e))
+                yield await self._off_loop(self._tokenize, msg)
+            except Exception as e:  # noqa: BLE001 - answered in-band; the stream carries on
+                yield pb.TokenizeResponse(request_id=msg.request_id, error=error_to_proto(as_engine_error(e)))
 
     def _tokenize(self, msg: pb.TokenizeRequest) -> pb.TokenizeResponse:
         tok = self.tokenizer
@@ -138,18 +169,18 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def Embed(self, request_iterator, context) -> AsyncIterator[pb.EmbedResponse]:
         if self.embedder is None:
             raise UnimplementedError(f"model {self.model_name!r} does not serve embeddings")
-        out: asyncio.Queue = asyncio.Queue()
+        out = ResponseQueue()
         active: dict[str, asyncio.Task] = {}  # client request id -> task computing its embeddings
 
         async def embed(msg: pb.EmbedRequest) -> None:
             try:
                 result = await self.embedder.embed(embed_inputs_from_proto(msg), embed_options_from_proto(msg))
-                out.put_nowait(embedding_result_to_proto(msg.request_id, result))
-            except EngineError as e:
-                out.put_nowait(pb.EmbedResponse(request_id=msg.request_id, error=error_to_proto(e)))
+                out.put(embedding_result_to_proto(msg.request_id, result))
+            except Exception as e:  # noqa: BLE001 - answered in-band; the stream carries on
+                out.put(pb.EmbedResponse(request_id=msg.request_id, error=error_to_proto(as_engine_error(e))))
             finally:
                 active.pop(msg.request_id, None)
-                out.put_nowait(_WAKE)
+                out.wake()
 
         async def read_requests() -> None:
             try:
@@ -157,13 +188,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     if not msg.request_id or msg.request_id in active:
                         reason = "must not be empty" if not msg.request_id else "is already running on this stream"
                         error = InvalidRequestError(f"request_id {msg.request_id!r} {reason}", field="request_id")
-                        out.put_nowait(pb.EmbedResponse(request_id=msg.request_id, error=error_to_proto(error)))
+                        out.put(pb.EmbedResponse(request_id=msg.request_id, error=error_to_proto(error)))
                         continue
                     active[msg.request_id] = asyncio.create_task(embed(msg))
             finally:
-                out.put_nowait(_WAKE)
+                out.wake()
 
-        async for item in _merge_responses(out, active, read_requests()):
+        async for item in out.responses(active, read_requests()):
             yield item
 
     async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
@@ -198,25 +229,15 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             dtype=str(llm.dtype).removeprefix("torch."),
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_waiting_requests=sched.max_waiting_requests,
             prefix_caching=llm.block_manager.enable_prefix_caching,
             device=str(llm.device),
         ))
         return response
 
 
-async def _merge_responses(out: asyncio.Queue, active: dict[str, asyncio.Task], reader) -> AsyncIterator:
-    """Yields what the request tasks put on `out` until the client stopped sending and every request ended.
 
-    Leaving early (client gone, deadline) cancels the reader and every request task, which aborts
-    their engine requests."""
-    reader_task = asyncio.create_task(reader)
-    try:
-        while not (reader_task.done() and not active and out.empty()):
-            item = await out.get()
-            if item is not _WAKE:
-                yield item
-        await reader_task  # surfaces a failure of the request stream itself
-    finally:
-        reader_task.cancel()
-        for task in list(active.values()):
-            task.cancel()
+def aborted_before_start(request: EngineRequest) -> CompletionDelta:
+    """The last delta of a request cancelled before it reached the engine."""
+    return CompletionDelta(request.request_id, 0, [], "", finish_reason=FinishReason.ABORT,
+                           usage=Usage(len(request.prompt_token_ids), 0, 0))

@@ -20,6 +20,7 @@ from rest_proxy.disconnect import CancelOnDisconnectMiddleware
 from rest_proxy.drain import DrainMiddleware, DrainState
 from rest_proxy.engine_client import EngineRouter
 from rest_proxy.errors import ProxyError, install_error_handlers, invalid_request
+from rest_proxy.limits import RequestBodyMiddleware
 from rest_proxy.mcp_manager import McpManager
 from rest_proxy.metrics import MetricsMiddleware, ProxyMetrics
 from rest_proxy.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
@@ -58,6 +59,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
     app.state.config, app.state.metrics, app.state.router, app.state.mcp = config, metrics, router, mcp
     install_error_handlers(app)
     app.add_middleware(CancelOnDisconnectMiddleware)
+    app.add_middleware(RequestBodyMiddleware, max_bytes=config.max_body_bytes, timeout=config.body_timeout)
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.state.drain = DrainState()
@@ -106,7 +108,10 @@ def create_app(config: ProxyConfig) -> FastAPI:
     @app.get("/v1/models")
     async def list_models():
         await router.refresh_missing()
-        return {"object": "list", "data": [model_card(info) for info in router.models()]}
+        models = router.models()
+        if not models:  # not "no models": nothing to ask yet, as /health says
+            raise router.unavailable()
+        return {"object": "list", "data": [model_card(info) for info in models]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str):

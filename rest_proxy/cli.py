@@ -35,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tool-call format (default: from the model's chat template and family)")
     serve.add_argument("--request-timeout", type=float, default=None,
                        help="deadline in seconds for each engine call (exceeded: 504)")
+    serve.add_argument("--max-body-size", type=float, default=8.0, metavar="MiB",
+                       help="largest request body in MiB; larger ones get 413")
+    serve.add_argument("--header-timeout", type=float, default=10.0,
+                       help="seconds a client has to send a request's headers before its connection is closed")
+    serve.add_argument("--body-timeout", type=float, default=60.0,
+                       help="seconds a client has to send a request's body (exceeded: 408)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM; meanwhile new ones get 503")
     serve.add_argument("--log-level", default="info")
@@ -51,8 +57,6 @@ def main(argv: list[str] | None = None) -> int:
         except McpConfigError as err:
             print(f"rest-proxy: {err}", file=sys.stderr)
             return 2
-    import uvicorn
-
     from rest_proxy.app import create_app
     from rest_proxy.config import ProxyConfig
 
@@ -60,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         config = ProxyConfig(engines=args.engine or ["localhost:50051"],
                              api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                              tool_parser=args.tool_parser, mcp_servers=mcp_servers, mcp_execute=args.mcp_execute,
-                             max_mcp_rounds=args.max_mcp_rounds, request_timeout=args.request_timeout)
+                             max_mcp_rounds=args.max_mcp_rounds, request_timeout=args.request_timeout,
+                             max_body_bytes=int(args.max_body_size * 2**20), header_timeout=args.header_timeout,
+                             body_timeout=args.body_timeout)
     except ValueError as err:
         print(f"rest-proxy: {err}", file=sys.stderr)
         return 2
@@ -68,12 +74,14 @@ def main(argv: list[str] | None = None) -> int:
           f"(engines: {', '.join(config.engines)})", flush=True)
     from inference_service.engine.gc_heap import freeze_startup_heap
     from rest_proxy.drain import DrainingServer
+    from rest_proxy.limits import uvicorn_config
 
     app = create_app(config)
     freeze_startup_heap()  # one app a process: full collections skip what lives until exit
     # After the drain, uvicorn itself gets a second to cancel what is left.
-    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                                           timeout_graceful_shutdown=1), app.state.drain, args.shutdown_timeout)
+    server = DrainingServer(uvicorn_config(app, config, host=args.host, port=args.port,
+                                           log_level=args.log_level.lower(), timeout_graceful_shutdown=1),
+                            app.state.drain, args.shutdown_timeout)
     server.run()
     return 0
 

@@ -1,8 +1,7 @@
-"""POST /v1/completions: one engine request per prompt, `n` completions each."""
+"""POST /v1/completions: one engine request per prompt, `n` completions each, all on one Generate stream."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -11,7 +10,7 @@ from contextlib import aclosing
 
 from inference_service.api import pb
 from rest_proxy.engine_client import EngineClient, EngineRouter
-from rest_proxy.errors import invalid_request
+from rest_proxy.errors import ProxyError, invalid_request
 from rest_proxy.metrics import ProxyMetrics
 from rest_proxy.protocol import CompletionRequest
 from rest_proxy.translate import (add_usage, check_wire_safe, finish_reason, sampling_params, stopping_criteria,
@@ -26,6 +25,16 @@ def prompt_inputs(prompt) -> list[str | list[int]]:
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     return list(prompt)
+
+
+def _check_queue_room(info: pb.GetModelInfoResponse | None, num_sequences: int) -> None:
+    """429 up front for a batch the engine's waiting queue could never take at once (it would refuse the
+    excess after the rest started)."""
+    limit = info.kv_cache.max_waiting_requests if info is not None else 0
+    if limit and num_sequences > limit:
+        raise ProxyError(429, f"the request asks for {num_sequences} completions (prompts x n), more than the "
+                              f"engine queues at once ({limit}); split it into requests of at most {limit}",
+                         type="rate_limit_error", param="prompt", code="too_many_prompts")
 
 
 def _logprobs(items, top: int, offset: int) -> dict:
@@ -60,9 +69,11 @@ class CompletionService:
         if info is not None and info.max_context_length and req.max_tokens and req.max_tokens > info.max_context_length:
             raise invalid_request(f"max_tokens ({req.max_tokens}) exceeds the model's context length "
                                   f"({info.max_context_length})", "max_tokens")
+        prompts = prompt_inputs(req.prompt)
+        _check_queue_room(info, len(prompts) * req.n)
         starts, echoes = [], []
         max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default for completions
-        for prompt in prompt_inputs(req.prompt):
+        for prompt in prompts:
             start = pb.StartGeneration(
                 request_id=uuid.uuid4().hex, n=req.n, skip_special_tokens=req.skip_special_tokens,
                 sampling=sampling_params(req, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0),
@@ -83,47 +94,12 @@ class CompletionService:
         resp = await client.tokenize(pb.TokenizeRequest(detokenize=pb.DetokenizeIds(ids=ids)))
         return resp.text
 
-    async def _merged(self, client: EngineClient, starts: list[pb.StartGeneration]) -> AsyncIterator[tuple]:
-        """(prompt number, response) from all prompts' requests, as they arrive."""
-        if len(starts) == 1:
-            async with aclosing(client.generate(starts[0])) as gen:
-                async for resp in gen:
-                    yield 0, resp
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(p: int, start: pb.StartGeneration) -> None:
-            try:
-                async with aclosing(client.generate(start)) as gen:
-                    async for resp in gen:
-                        await queue.put((p, resp))
-            except BaseException as err:  # handed to the consumer, which re-raises it
-                await queue.put((p, err))
-            finally:
-                await queue.put((p, None))
-
-        tasks = [asyncio.create_task(pump(p, s)) for p, s in enumerate(starts)]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                p, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield p, item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
     async def _events(self, req: CompletionRequest, client, starts, echoes) -> AsyncIterator[tuple]:
         """("text", choice index, text, logprobs dict|None, finish reason|None) and ("usage", dict)."""
         usage = None
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
-        async with aclosing(self._merged(client, starts)) as merged:
+        async with aclosing(client.generate_many(starts)) as merged:
             async for p, resp in merged:
                 index = p * req.n + resp.index
                 text = resp.text

@@ -21,6 +21,9 @@ class ProxyConfig:
     mcp_startup_wait: float = 10.0
     request_timeout: float | None = None  # seconds per engine call; None: no deadline
     engine_refresh_interval: float = 1.0
+    max_body_bytes: int = 8 * 2**20  # larger request bodies get 413
+    header_timeout: float = 10.0  # seconds a client has to send a request's headers
+    body_timeout: float = 60.0  # seconds a client has to send a request's body (408 after)
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -31,3 +34,7 @@ class ProxyConfig:
             raise ValueError("max_mcp_rounds must be >= 1")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError("request_timeout must be > 0")
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be >= 1")
+        if not (self.header_timeout > 0 and self.body_timeout > 0):
+            raise ValueError("header_timeout and body_timeout must be > 0")

@@ -121,6 +121,50 @@ class EngineClient:
                     await call.write(pb.GenerateRequest(cancel=pb.CancelGeneration(request_id=start.request_id)))
             call.cancel()
 
+    async def generate_many(self, starts: list[pb.StartGeneration]) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+        """Run requests multiplexed on one Generate stream, yielding (position in `starts`, response) as
+        responses arrive, each request's up to its last one.
+
+        One stream however many requests: thousands of streams at once on the shared channel break gRPC
+        core, and the engine takes every request of a stream the same way. An in-band error of any request
+        raises `ProxyError`; leaving the iteration early cancels the call, which aborts every request."""
+        positions: dict[str, int] = {}
+        for position, start in enumerate(starts):
+            start.request_id = start.request_id or uuid.uuid4().hex
+            positions[start.request_id] = position
+        finished: dict[str, set[int]] = {request_id: set() for request_id in positions}
+        num_unfinished = sum(max(start.n, 1) for start in starts)  # completions without a finish reason
+        remaining = set(positions)  # requests without their usage (their last response)
+        call = self.stub.Generate(timeout=self.request_timeout)
+        try:
+            for start in starts:
+                await call.write(pb.GenerateRequest(start=start))
+            await call.done_writing()
+            reader = call.__aiter__()
+            while remaining:
+                try:
+                    if num_unfinished:
+                        resp = await reader.__anext__()
+                    else:  # everything finished but some usage is missing: give it a moment, then stop
+                        resp = await asyncio.wait_for(reader.__anext__(), timeout=1.0)
+                except (StopAsyncIteration, asyncio.TimeoutError):
+                    return
+                position = positions.get(resp.request_id)
+                if position is None:
+                    continue
+                if resp.HasField("error") and (resp.error.code or resp.error.message):
+                    raise self._inband_error(resp.error)
+                if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED and resp.index not in finished[resp.request_id]:
+                    finished[resp.request_id].add(resp.index)
+                    num_unfinished -= 1
+                yield position, resp
+                if resp.HasField("usage"):
+                    remaining.discard(resp.request_id)
+        except grpc.aio.AioRpcError as err:
+            raise self._error(err) from None
+        finally:
+            call.cancel()
+
     async def _unary_stream(self, method, request, error_field: str):
         call = method(timeout=self.request_timeout)
         try:
@@ -205,12 +249,16 @@ class EngineRouter:
                 if client.model_name == model:
                     return client
             if all(c.info is None for c in self.clients):
-                targets = ", ".join(c.target for c in self.clients)
-                raise ProxyError(503, f"no engine reachable ({targets})", type="service_unavailable",
-                                 code="engine_unavailable")
+                raise self.unavailable()
         served = ", ".join(sorted(m.model_name for m in self.models()))
         raise ProxyError(404, f"The model `{model}` does not exist. Served models: {served}",
                          type="invalid_request_error", param="model", code="model_not_found")
+
+    def unavailable(self) -> ProxyError:
+        """The error while no engine has described its model yet (none reachable)."""
+        targets = ", ".join(c.target for c in self.clients)
+        return ProxyError(503, f"no engine reachable ({targets})", type="service_unavailable",
+                          code="engine_unavailable")
 
     async def close(self) -> None:
         if self._task is not None:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 UINT32_MAX = 2**32 - 1
+# What the engine hands the chat template itself (`inference.v1.ChatInput.chat_template_kwargs_json`).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "special_tokens"})
 
 
 class _Model(BaseModel):
@@ -132,6 +135,15 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs or {}))
+        if reserved:
+            raise ValueError(f"may not set {', '.join(map(repr, reserved))}: the request's own fields "
+                             f"(messages, tools, add_generation_prompt, ...) set what the template gets")
+        return kwargs
 
 
 class CompletionRequest(_SamplingFields):

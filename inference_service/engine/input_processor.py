@@ -11,6 +11,14 @@ from inference_service.engine.sampling_params import SamplingParams
 from inference_service.errors import InvalidRequestError
 from inference_service.model.tokenizer import Tokenizer
 
+# Variables the engine itself hands the chat template; `chat_template_kwargs` may not set them (each has
+# its own request field, or none). The proxy refuses the same names (`rest_proxy/protocol.py`).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "special_tokens"})
+# NOTE: normalizers (NFC) may shrink text before it is split into tokens; a factor of 4 on the longest
+# token keeps the length bound below safe for any of them.
+_NORMALIZATION_SLACK = 4
+
 
 @dataclass
 class ChatPrompt:
@@ -30,6 +38,9 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        # No prompt of more UTF-8 bytes than this fits: each token stands for at most this many bytes / token.
+        self.max_bytes_per_token = _NORMALIZATION_SLACK * longest_token_bytes(tokenizer, vocab_size)
+        self.max_prompt_bytes = (max_model_len - 1) * self.max_bytes_per_token
 
     def render_chat(self, chat: ChatPrompt) -> str:
         if not chat.messages:
@@ -38,6 +49,11 @@ class InputProcessor:
             raise InvalidRequestError("the model has no chat template; send text or token ids", field="chat")
         tools = _parse_json(chat.tools_json, "chat.tools_json", list)
         kwargs = _parse_json(chat.template_kwargs_json, "chat.chat_template_kwargs_json", dict) or {}
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+        if reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: the engine passes "
+                f"{'it' if len(reserved) == 1 else 'them'} to the template itself", field="chat.chat_template_kwargs_json")
         if chat.continue_final_message and chat.add_generation_prompt:
             raise InvalidRequestError(
                 "continue_final_message and add_generation_prompt cannot both be true", field="chat.continue_final_message"
@@ -51,13 +67,22 @@ class InputProcessor:
         )
 
     def tokenize_prompt(self, prompt: str | list[int] | ChatPrompt, add_special_tokens: bool | None) -> list[int]:
+        """The prompt's token ids. A prompt too long for the context is refused before it is tokenized
+        (tokenizing megabytes takes seconds) by its length in bytes: see `max_bytes_per_token`."""
         if isinstance(prompt, ChatPrompt):
+            text = self.render_chat(prompt)
+            self._check_length(text, "chat.messages")
             # The template already holds every special token the model expects.
-            return self.tokenizer.encode(self.render_chat(prompt), add_special_tokens=False)
+            return self.tokenizer.encode(text, add_special_tokens=False)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", field="text")
+            self._check_length(prompt, "text")
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens, but the model's context length is {self.max_model_len} "
+                f"and at least one token must be generated", field="input")
         for i, token_id in enumerate(prompt):
             if not 0 <= token_id < self.vocab_size:
                 raise InvalidRequestError(
@@ -91,6 +116,27 @@ class InputProcessor:
             )
         params.validate_for_model(self.vocab_size)
         return EngineRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params)
+
+
+    def _check_length(self, text: str, field: str) -> None:
+        # A character is at least one byte: only a text that might fit pays for counting its bytes.
+        if len(text) <= self.max_prompt_bytes and len(text.encode("utf-8")) <= self.max_prompt_bytes:
+            return
+        raise InvalidRequestError(
+            f"the prompt is over {self.max_prompt_bytes} bytes of UTF-8, so it is longer than the model's context "
+            f"length of {self.max_model_len} tokens (no token of this model stands for more than "
+            f"{self.max_bytes_per_token // _NORMALIZATION_SLACK} bytes)", field=field)
+
+
+def longest_token_bytes(tokenizer: Tokenizer, vocab_size: int) -> int:
+    """The most bytes of text any one token of the vocabulary stands for."""
+    longest = 1
+    for token_id in range(vocab_size):
+        try:
+            longest = max(longest, len(tokenizer.token_bytes(token_id)))
+        except ValueError:  # an id the model has but the tokenizer does not (padded vocabularies)
+            continue
+    return longest
 
 
 def _parse_json(text: str, field_name: str, kind: type) -> Any:

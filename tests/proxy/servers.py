@@ -9,6 +9,7 @@ import uvicorn
 
 from rest_proxy.app import create_app
 from rest_proxy.config import ProxyConfig
+from rest_proxy.limits import uvicorn_config
 from tests.proxy.fake_engine import free_port
 
 
@@ -17,8 +18,8 @@ class ProxyServer:
         self.config = config
         self.app = create_app(config)
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="on"))
+        self.server = uvicorn.Server(uvicorn_config(self.app, config, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", lifespan="on"))
         self._thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import openai
 import pytest
 from openai import OpenAI
 
@@ -34,12 +35,18 @@ def test_engine_that_starts_after_the_proxy(start_proxy):
     port = free_port()
     proxy = start_proxy(engines=[f"127.0.0.1:{port}"], engine_refresh_interval=60)
     c = OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
-    assert c.models.list().data == []
+    with pytest.raises(openai.InternalServerError) as e:  # 503 before any engine is up, not an empty list
+        c.models.list()
+    assert e.value.status_code == 503
     late = FakeEngineServer(FakeEngine(model_name="late-model"), port=port).start()
     try:
         deadline = time.monotonic() + 5
-        while not c.models.list().data and time.monotonic() < deadline:
-            time.sleep(0.1)
+        while time.monotonic() < deadline:
+            try:
+                c.models.list()
+                break
+            except openai.InternalServerError:
+                time.sleep(0.1)
         assert [m.id for m in c.models.list().data] == ["late-model"]
         reply = c.chat.completions.create(model="late-model", messages=[{"role": "user", "content": "hi"}])
         assert reply.choices[0].message.content == "Hello from the fake engine."
