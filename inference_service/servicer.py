@@ -57,10 +57,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         active: dict[str, asyncio.Task] = {}  # client request id -> task streaming its deltas
 
         async def stream_request(client_id: str, request: EngineRequest) -> None:
+            num_deltas = 0
             try:
                 async for delta in self.engine.generate(request):
+                    num_deltas += 1
                     out.put_nowait(delta_to_proto(client_id, delta, self.tokenizer))
             except EngineError as e:
+                if num_deltas == 0:  # refused before it ran (full queue, draining, bad format)
+                    self.llm.metrics.on_request_rejected()
                 out.put_nowait(error_response(client_id, e))
             finally:
                 active.pop(client_id, None)
@@ -94,6 +98,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                         else:
                             raise InvalidRequestError("the message sets neither start nor cancel", field="action")
                     except EngineError as e:
+                        if action == "start" and self.llm is not None:
+                            self.llm.metrics.on_request_rejected()
                         out.put_nowait(error_response(client_id, e))
             finally:
                 out.put_nowait(_WAKE)
