@@ -255,7 +255,8 @@ class FakeEngineServer:
         self._server = grpc.aio.server(interceptors=self._interceptors)
         pb_grpc.add_InferenceServiceServicer_to_server(self.engine, self._server)
         health_servicer = health.aio.HealthServicer()
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        for service in ("", "inference.v1.InferenceService"):  # the name Envoy's health checks ask for
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
         if self._credentials is not None:
             self._server.add_secure_port(self.target, self._credentials)
