@@ -211,3 +211,17 @@ def test_the_engine_listens_on_loopback_by_default():
 
     _, server = configs_from_args(build_parser().parse_args(["serve"]))
     assert server.host == "127.0.0.1"
+
+
+def test_make_serve_refuses_a_taken_port():
+    """`make serve` (inference_service.launch) checks both ports before starting anything."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "inference_service.launch", "--engine-port", str(free_port()),
+                                 "--proxy-port", str(port)], capture_output=True, text=True, timeout=60,
+                                cwd=REPO_ROOT)
+    assert result.returncode == 1
+    assert f"make serve: --proxy-port {port}: cannot listen on 127.0.0.1:{port}: the address is already in use" \
+        in result.stderr

@@ -180,3 +180,19 @@ def test_envoy_presents_the_client_certificate_and_passes_the_key(tls, tmp_path)
     finally:
         envoy.stop()
         engine.stop()
+
+
+def test_operations_docs_state_the_threat_model():
+    from tests.ops.ops_helpers import ROOT
+
+    text = (ROOT / "docs" / "operations.md").read_text()
+    section = text[text.index("## Threat model: what is exposed where"):]
+    for needle in ("--api-key", "--tls-cert", "--tls-ca", "--engine-api-key", "--no-docs", "?detail=true",
+                   "grpc.health.v1", "grpc.reflection.v1", "NetworkPolicy", "grpcWeb", "so_reuseport",
+                   "127.0.0.1", 'finished_reason="error"', "rest_proxy_grpc_errors_total"):
+        assert needle in section, needle
+    # Every chart value of the engine's guards is documented there.
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["engine"]
+    for group in ("apiKey", "tls", "networkPolicy"):
+        for key in values[group]:
+            assert f"engine.{group}" in section and (f".{key}" in section or f"`{key}" in section), (group, key)
