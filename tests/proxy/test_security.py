@@ -29,7 +29,6 @@ def get(server, path: str, key: str | None = None) -> httpx.Response:
 
 def test_models_show_names_not_paths(start_proxy):
     engine = FakeEngineServer(FakeEngine(model_name="secret-model")).start()
-    engine.engine.model_name = "secret-model"
     try:
         proxy = start_proxy(engines=[engine.target])
         listed = get(proxy, "/v1/models").json()["data"]
