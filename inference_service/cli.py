@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from inference_service.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
+
+API_KEY_ENV = "INFERENCE_SERVICE_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="waiting-queue bound; beyond it new requests get RESOURCE_EXHAUSTED")
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface; then set --api-key and TLS)")
     g.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
     g.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics over HTTP on this port")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -76,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-queued-responses", type=int, default=65536,
                    help="responses a Generate stream may hold unread by its client before its requests are aborted")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    a = p.add_argument_group("security")
+    a.add_argument("--api-key", default=None,
+                   help=f"require the metadata `authorization: Bearer KEY` on every call but grpc.health.v1 "
+                        f"(default: ${API_KEY_ENV}; unset: no auth)")
+    a.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS with this certificate (chain)")
+    a.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    a.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="mutual TLS: require client certificates signed by this CA")
     return parser
 
 
@@ -117,6 +129,10 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_message_mib=args.max_message_mib,
         max_stream_stall_s=args.max_stream_stall_s,
         max_queued_responses=args.max_queued_responses,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
     )
     return engine, server
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 
@@ -100,7 +101,7 @@ class EngineConfig:
 class ServerConfig:
     """The gRPC server around the engine."""
 
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback unless told otherwise: the chart passes 0.0.0.0
     port: int = 50051
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None = off
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
@@ -112,6 +113,10 @@ class ServerConfig:
     # `max_queued_responses` wait, gets its requests aborted (RESOURCE_EXHAUSTED) and their KV blocks freed.
     max_stream_stall_s: float = 30.0
     max_queued_responses: int = 65536
+    api_key: str | None = None  # calls must carry `authorization: Bearer <key>` (health checks excepted)
+    tls_cert: str | None = None  # PEM files; both set: TLS
+    tls_key: str | None = None
+    tls_ca: str | None = None  # set: mutual TLS, clients need a certificate this CA signed
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -126,3 +131,12 @@ class ServerConfig:
             raise ValueError(f"--max-stream-stall must be > 0 seconds, got {self.max_stream_stall_s}")
         if self.max_queued_responses < 1:
             raise ValueError(f"--max-queued-responses must be >= 1, got {self.max_queued_responses}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key must not be empty")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-ca (mutual TLS) needs --tls-cert and --tls-key")
+        for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key), ("--tls-ca", self.tls_ca)):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{flag}: no such file {path!r}")

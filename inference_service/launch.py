@@ -11,6 +11,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from inference_service.ports import ensure_port_free
+
 
 def wait_until_serving(target: str, process: subprocess.Popen, timeout_s: float) -> None:
     """Polls the engine's gRPC health service until SERVING; fails if the process exits first."""
@@ -36,13 +38,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2)")
     args, engine_args = parser.parse_known_args(argv)
 
+    for name, port in (("--engine-port", args.engine_port), ("--proxy-port", args.proxy_port)):
+        try:
+            ensure_port_free("127.0.0.1", port)
+        except OSError as e:
+            raise SystemExit(f"make serve: {name} {port}: {e}") from None
     engine_cmd = [sys.executable, "-m", "inference_service.cli", "serve", "--port", str(args.engine_port)]
     if args.model:
         engine_cmd += ["--model", args.model]
     engine = subprocess.Popen(engine_cmd + engine_args)
     processes = [engine]
 
-    def stop(*_):
+    def stop(*_, exit_code: int = 0):
         for p in reversed(processes):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -51,19 +58,23 @@ def main(argv: list[str] | None = None) -> None:
                 p.wait(timeout=40)
             except subprocess.TimeoutExpired:
                 p.kill()
-        sys.exit(0)
+        sys.exit(exit_code)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    wait_until_serving(f"localhost:{args.engine_port}", engine, timeout_s=300)
+    wait_until_serving(f"127.0.0.1:{args.engine_port}", engine, timeout_s=300)
     proxy = subprocess.Popen([sys.executable, "-m", "rest_proxy.cli", "serve", "--engine",
-                              f"localhost:{args.engine_port}", "--port", str(args.proxy_port)])
+                              f"127.0.0.1:{args.engine_port}", "--port", str(args.proxy_port)])
     processes.append(proxy)
     print(f"\nEngine (gRPC): localhost:{args.engine_port}\n"
           f"OpenAI API:    http://localhost:{args.proxy_port}/v1  (Ctrl-C stops both)\n", flush=True)
     while all(p.poll() is None for p in processes):
         time.sleep(0.5)
-    stop()
+    # One of the two ended by itself (a taken port, a crash): say which, stop the other, fail.
+    for name, p in (("engine", engine), ("proxy", proxy)):
+        if p.poll() is not None:
+            print(f"make serve: the {name} exited with code {p.returncode}", file=sys.stderr, flush=True)
+    stop(exit_code=1)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,10 @@ class EngineMetrics:
         self.prefix_cache_hits.inc(block_manager.num_prefix_hits - self._last_hits)
         self._last_queries, self._last_hits = block_manager.num_prefix_queries, block_manager.num_prefix_hits
 
+    def on_request_rejected(self) -> None:
+        """A request refused before it ran (bad parameters, full queue, draining): finish reason `error`."""
+        self._finished.labels(model_name=self.model_name, finished_reason="error").inc()
+
     def on_request_finished(
         self, request: EngineRequest, first_token_time: float | None, usage: Usage, reason: FinishReason | None
     ) -> None:

@@ -11,7 +11,6 @@ from collections.abc import Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from inference_service.api import pb, pb_grpc
@@ -22,6 +21,9 @@ from inference_service.engine.gc_heap import freeze_startup_heap
 from inference_service.engine.llm_engine import LLMEngine, resolve_device, resolve_dtype
 from inference_service.errors import InvalidRequestError, as_engine_error
 from inference_service.model.loader import load_model
+from inference_service.ports import ensure_port_free
+from inference_service.reflection import enable_reflection
+from inference_service.security import ApiKeyInterceptor, server_credentials
 from inference_service.servicer import InferenceServicer
 
 logger = logging.getLogger(__name__)
@@ -133,9 +135,14 @@ class EngineServer:
         self._shutdown = asyncio.Event()
         mib = server_config.max_message_mib * 2**20
         keepalive_ms = int(server_config.keepalive_time_s * 1000)
+        # The key check comes first: a call without the key never reaches the servicer.
+        auth = [ApiKeyInterceptor(server_config.api_key)] if server_config.api_key else []
         self.server = grpc.aio.server(
-            interceptors=[ExceptionToStatusInterceptor()],
+            interceptors=[*auth, ExceptionToStatusInterceptor()],
             options=[
+                # NOTE: gRPC sets SO_REUSEPORT by default, so a second engine on a taken port would start
+                # and the kernel would split connections between the two; off, the second one fails to bind.
+                ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", mib),
                 ("grpc.max_send_message_length", mib),
                 ("grpc.keepalive_time_ms", keepalive_ms),
@@ -149,18 +156,21 @@ class EngineServer:
                                      max_queued_responses=server_config.max_queued_responses)
         pb_grpc.add_InferenceServiceServicer_to_server(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-            self.server,
-        )
+        enable_reflection([SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], self.server)
 
     async def start(self) -> int:
         cfg = self.server_config
         for engine in self.engines:
             engine.start()
-        self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        address, credentials = f"{cfg.host}:{cfg.port}", server_credentials(cfg)
+        try:
+            self.port = (self.server.add_secure_port(address, credentials) if credentials is not None
+                         else self.server.add_insecure_port(address))
+        except RuntimeError:  # grpc says only "Failed to bind"; the usual cause is a taken port
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
+            ensure_port_free(cfg.host, cfg.port)
+            raise OSError(f"cannot listen on {address}")
         await self.server.start()
         if cfg.metrics_port is not None:
             start_http_server(cfg.metrics_port, addr=cfg.host)
@@ -199,6 +209,10 @@ class EngineServer:
 async def serve(engine_config: EngineConfig, server_config: ServerConfig,
                 on_started: Callable[[EngineServer], Awaitable[None]] | None = None) -> None:
     """Runs the server until SIGTERM or SIGINT, then shuts down gracefully."""
+    # Before loading the model, which can take minutes: a taken port fails now.
+    ensure_port_free(server_config.host, server_config.port)
+    if server_config.metrics_port is not None:
+        ensure_port_free(server_config.host, server_config.metrics_port)
     server = EngineServer(engine_config, server_config)
     # One server a process: nothing frozen here is ever dropped. Before serving, so that the
     # collection this does delays no request.

@@ -74,6 +74,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
         async def run(client_id: str, msg: pb.StartGeneration) -> None:
             engine_id = f"{stream_id}-{client_id}"
+            num_deltas = 0
             try:
                 request = await self._off_loop(self._make_request, engine_id, msg)
                 if client_id in cancelled:
@@ -85,8 +86,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                         stall = out.stall_reason()
                         if stall is not None:  # leaving the loop aborts the request and frees its blocks
                             raise ResourceExhaustedError(f"request aborted: {stall}")
+                        num_deltas += 1
                         out.put(delta_to_proto(client_id, delta, self.tokenizer))
             except Exception as e:  # noqa: BLE001 - one request's failure ends that request, never the stream
+                if num_deltas == 0:  # refused before it ran (bad input, full queue, draining, bad format)
+                    self.llm.metrics.on_request_rejected()
                 out.put(error_response(client_id, as_engine_error(e)))
             finally:
                 active.pop(client_id, None)
@@ -125,6 +129,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                         else:
                             raise InvalidRequestError("the message sets neither start nor cancel", field="action")
                     except Exception as e:  # noqa: BLE001 - answered in-band; the stream carries on
+                        if action == "start" and self.llm is not None:
+                            self.llm.metrics.on_request_rejected()
                         out.put(error_response(client_id, as_engine_error(e)))
             finally:
                 out.wake()

@@ -6,18 +6,20 @@ import base64
 import logging
 import time
 from contextlib import asynccontextmanager
+from pathlib import PurePath
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from inference_service.api import pb
-from rest_proxy.auth import ApiKeyMiddleware
+from rest_proxy.auth import ApiKeyCheck, ApiKeyMiddleware, invalid_api_key
 from rest_proxy.chat import ChatService
 from rest_proxy.completions import CompletionService, prompt_inputs
 from rest_proxy.config import ProxyConfig
 from rest_proxy.disconnect import CancelOnDisconnectMiddleware
 from rest_proxy.drain import DrainMiddleware, DrainState
+from rest_proxy.engine_auth import channel_credentials
 from rest_proxy.engine_client import EngineRouter
 from rest_proxy.errors import ProxyError, install_error_handlers, invalid_request
 from rest_proxy.limits import RequestBodyMiddleware
@@ -36,7 +38,10 @@ def create_app(config: ProxyConfig) -> FastAPI:
     metrics = ProxyMetrics()
     router = EngineRouter(config.engines, request_timeout=config.request_timeout,
                           on_grpc_error=metrics.record_grpc_error,
-                          refresh_interval=config.engine_refresh_interval)
+                          refresh_interval=config.engine_refresh_interval,
+                          credentials=channel_credentials(config.engine_tls_ca, config.engine_tls_cert,
+                                                          config.engine_tls_key),
+                          api_key=config.engine_api_key)
     mcp = McpManager(config.mcp_servers, metrics=metrics, ping_interval=config.mcp_ping_interval,
                      max_backoff=config.mcp_max_backoff) if config.mcp_servers else None
     chat = ChatService(router, metrics=metrics, mcp=mcp, tool_parser=config.tool_parser,
@@ -55,11 +60,13 @@ def create_app(config: ProxyConfig) -> FastAPI:
                 await mcp.stop()
             await router.close()
 
-    app = FastAPI(title="inference-service OpenAI-compatible proxy", version="0.1.0", lifespan=lifespan)
+    docs = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="inference-service OpenAI-compatible proxy", version="0.1.0", lifespan=lifespan, **docs)
     app.state.config, app.state.metrics, app.state.router, app.state.mcp = config, metrics, router, mcp
     install_error_handlers(app)
     app.add_middleware(CancelOnDisconnectMiddleware)
     app.add_middleware(RequestBodyMiddleware, max_bytes=config.max_body_bytes, timeout=config.body_timeout)
+    api_key_check = ApiKeyCheck(config.api_key)
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.state.drain = DrainState()
@@ -102,8 +109,11 @@ def create_app(config: ProxyConfig) -> FastAPI:
                 "usage": {"prompt_tokens": resp.prompt_tokens, "total_tokens": resp.prompt_tokens}}
 
     def model_card(info: pb.GetModelInfoResponse) -> dict:
+        # NOTE: the file's name, never its path: where models live on the engines' disks is not the
+        # clients' business.
+        root = PurePath(info.model_path.rstrip("/\\")).name or info.model_name
         return {"id": info.model_name, "object": "model", "created": _CREATED, "owned_by": "inference-service",
-                "root": info.model_path, "max_model_len": info.max_context_length}
+                "root": root, "max_model_len": info.max_context_length}
 
     @app.get("/v1/models")
     async def list_models():
@@ -149,16 +159,22 @@ def create_app(config: ProxyConfig) -> FastAPI:
         return {"prompt": resp.text}
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request, detail: bool = False):
+        """200 `{"status": "ok"}` when every engine is SERVING, else 503 `{"status": "unavailable"}`. With
+        `?detail=true` from a caller holding the API key (anyone when there is none): engines and MCP servers."""
         engines = []
         await router.refresh_missing()
         for client in router.clients:
             serving = await client.is_serving(timeout=2.0)
             engines.append({"target": client.target, "model": client.model_name, "serving": serving})
         ok = all(e["serving"] for e in engines)
-        mcp_status = ({name: {"connected": c.client is not None, "tools": len(c.tools)}
-                       for name, c in mcp.connections.items()} if mcp is not None else {})
-        body = {"status": "ok" if ok else "unavailable", "engines": engines, "mcp_servers": mcp_status}
+        body = {"status": "ok" if ok else "unavailable"}
+        if detail:
+            if not api_key_check.is_authorized(request.scope):
+                raise invalid_api_key()
+            body["engines"] = engines
+            body["mcp_servers"] = ({name: {"connected": c.client is not None, "tools": len(c.tools)}
+                                    for name, c in mcp.connections.items()} if mcp is not None else {})
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics", include_in_schema=False)

@@ -11,6 +11,7 @@ from rest_proxy.mcp_config import McpConfigError, load_mcp_config
 from rest_proxy.tool_parsers import ALIASES, PARSERS
 
 API_KEY_ENV = "REST_PROXY_API_KEY"
+ENGINE_API_KEY_ENV = "REST_PROXY_ENGINE_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a client has to send a request's body (exceeded: 408)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM; meanwhile new ones get 503")
+    serve.add_argument("--docs", action=argparse.BooleanOptionalAction, default=True,
+                       help="serve /docs, /redoc and /openapi.json (behind --api-key when it is set); "
+                            "--no-docs switches them off")
+    engine = serve.add_argument_group("engine connection")
+    engine.add_argument("--engine-api-key", default=None,
+                        help=f"key the engines require (their --api-key; default: ${ENGINE_API_KEY_ENV})")
+    engine.add_argument("--engine-tls-ca", default=None, metavar="PEM",
+                        help="connect to the engines over TLS, trusting this CA (their certificates' issuer)")
+    engine.add_argument("--engine-tls-cert", default=None, metavar="PEM",
+                        help="client certificate for engines that require mutual TLS (their --tls-ca)")
+    engine.add_argument("--engine-tls-key", default=None, metavar="PEM", help="private key of --engine-tls-cert")
     serve.add_argument("--log-level", default="info")
     return parser
 
@@ -66,8 +78,18 @@ def main(argv: list[str] | None = None) -> int:
                              tool_parser=args.tool_parser, mcp_servers=mcp_servers, mcp_execute=args.mcp_execute,
                              max_mcp_rounds=args.max_mcp_rounds, request_timeout=args.request_timeout,
                              max_body_bytes=int(args.max_body_size * 2**20), header_timeout=args.header_timeout,
-                             body_timeout=args.body_timeout)
+                             body_timeout=args.body_timeout,
+                             engine_api_key=args.engine_api_key or os.environ.get(ENGINE_API_KEY_ENV) or None,
+                             engine_tls_ca=args.engine_tls_ca, engine_tls_cert=args.engine_tls_cert,
+                             engine_tls_key=args.engine_tls_key, docs=args.docs)
     except ValueError as err:
+        print(f"rest-proxy: {err}", file=sys.stderr)
+        return 2
+    from inference_service.ports import ensure_port_free
+
+    try:
+        ensure_port_free(args.host, args.port)
+    except OSError as err:
         print(f"rest-proxy: {err}", file=sys.stderr)
         return 2
     print(f"rest-proxy: serving the OpenAI API on http://{args.host}:{args.port}/v1 "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from rest_proxy.mcp_config import McpServerConfig
@@ -24,6 +25,13 @@ class ProxyConfig:
     max_body_bytes: int = 8 * 2**20  # larger request bodies get 413
     header_timeout: float = 10.0  # seconds a client has to send a request's headers
     body_timeout: float = 60.0  # seconds a client has to send a request's body (408 after)
+    # What the proxy presents to the engines: their API key, TLS (CA of the engines' certificates) and,
+    # for mutual TLS, a client certificate and key (PEM paths).
+    engine_api_key: str | None = None
+    engine_tls_ca: str | None = None
+    engine_tls_cert: str | None = None
+    engine_tls_key: str | None = None
+    docs: bool = True  # /docs, /redoc, /openapi.json (behind api_key when it is set)
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -38,3 +46,9 @@ class ProxyConfig:
             raise ValueError("max_body_bytes must be >= 1")
         if not (self.header_timeout > 0 and self.body_timeout > 0):
             raise ValueError("header_timeout and body_timeout must be > 0")
+        if (self.engine_tls_cert is None) != (self.engine_tls_key is None):
+            raise ValueError("--engine-tls-cert and --engine-tls-key go together")
+        for flag, path in (("--engine-tls-ca", self.engine_tls_ca), ("--engine-tls-cert", self.engine_tls_cert),
+                           ("--engine-tls-key", self.engine_tls_key)):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{flag}: no such file {path!r}")

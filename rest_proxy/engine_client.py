@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inference_service.api import pb, pb_grpc
+from rest_proxy.engine_auth import bearer_token_interceptors
 from rest_proxy.errors import ProxyError, from_engine_error, from_rpc_error, grpc_code_name
 
 log = logging.getLogger(__name__)
@@ -29,21 +30,32 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
+_UNREACHABLE = (503, 504)  # how a GetModelInfo to an engine that is away (or still starting) fails
+
 
 class EngineClient:
     """One engine target: a shared channel, its model description, and one call per operation."""
 
     def __init__(self, target: str, *, request_timeout: float | None = None,
-                 on_grpc_error: Callable[[str], None] | None = None):
+                 on_grpc_error: Callable[[str], None] | None = None,
+                 credentials: grpc.ChannelCredentials | None = None, api_key: str | None = None):
         self.target = target
         self.request_timeout = request_timeout
+        self._credentials = credentials  # None: plaintext
+        self._interceptors = bearer_token_interceptors(api_key) if api_key else None
         self.info: pb.GetModelInfoResponse | None = None
+        self.last_refresh_error: ProxyError | None = None  # why the last GetModelInfo failed
         self._on_grpc_error = on_grpc_error or (lambda _code: None)
         self.channel: grpc.aio.Channel | None = None
 
     def connect(self) -> None:
         """Open the channel; it belongs to the running event loop, so this runs inside it."""
-        self.channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        if self._credentials is not None:
+            self.channel = grpc.aio.secure_channel(self.target, self._credentials, options=_CHANNEL_OPTIONS,
+                                                   interceptors=self._interceptors)
+        else:
+            self.channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS,
+                                                     interceptors=self._interceptors)
         self.stub = pb_grpc.InferenceServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -64,7 +76,9 @@ class EngineClient:
             # wait_for_ready: an engine that just came up is reached once the channel reconnects.
             self.info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, wait_for_ready=True)
         except grpc.aio.AioRpcError as err:
-            raise self._error(err) from None
+            # NOTE: not counted in rest_proxy_grpc_errors_total: this polls every second while an engine
+            # is away, which would drown the errors of real requests.
+            raise from_rpc_error(err, self.target) from None
         return self.info
 
     async def is_serving(self, timeout: float = 2.0) -> bool:
@@ -200,10 +214,12 @@ class EngineRouter:
     """Routes a request to the engine serving its `model` (names from `GetModelInfo`)."""
 
     def __init__(self, targets: list[str], *, request_timeout: float | None = None,
-                 on_grpc_error: Callable[[str], None] | None = None, refresh_interval: float = 1.0):
+                 on_grpc_error: Callable[[str], None] | None = None, refresh_interval: float = 1.0,
+                 credentials: grpc.ChannelCredentials | None = None, api_key: str | None = None):
         if not targets:
             raise ValueError("at least one engine target is required")
-        self.clients = [EngineClient(t, request_timeout=request_timeout, on_grpc_error=on_grpc_error)
+        self.clients = [EngineClient(t, request_timeout=request_timeout, on_grpc_error=on_grpc_error,
+                                     credentials=credentials, api_key=api_key)
                         for t in targets]
         self._refresh_interval = refresh_interval
         self._task: asyncio.Task | None = None
@@ -217,8 +233,13 @@ class EngineRouter:
     async def _try_refresh(self, client: EngineClient, timeout: float = 2.0) -> bool:
         try:
             await client.refresh_info(timeout=timeout)
+            client.last_refresh_error = None
             return True
-        except ProxyError:
+        except ProxyError as err:
+            last = client.last_refresh_error
+            if err.status not in _UNREACHABLE and (last is None or err.message != last.message):  # once, not every second
+                log.warning("cannot describe the model of %s: %s", client.target, err.message)
+            client.last_refresh_error = err
             return False
 
     async def _refresh_loop(self) -> None:
@@ -249,6 +270,11 @@ class EngineRouter:
                 if client.model_name == model:
                     return client
             if all(c.info is None for c in self.clients):
+                # An engine that answers but refuses (a wrong --engine-api-key) says so, not "unreachable".
+                refusals = [c.last_refresh_error for c in self.clients
+                            if c.last_refresh_error is not None and c.last_refresh_error.status not in _UNREACHABLE]
+                if refusals:
+                    raise refusals[0]
                 raise self.unavailable()
         served = ", ".join(sorted(m.model_name for m in self.models()))
         raise ProxyError(404, f"The model `{model}` does not exist. Served models: {served}",

@@ -73,6 +73,11 @@ def from_rpc_error(err: grpc.aio.AioRpcError | grpc.RpcError, target: str = "") 
         where = f" at {target}" if target else ""
         return ProxyError(503, f"engine{where} unavailable: {details}", type="service_unavailable",
                           code="engine_unavailable")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        # The engine refused the proxy's own key, not the client's: a deployment error, not a 401.
+        where = f" at {target}" if target else ""
+        return ProxyError(502, f"engine{where} refused the proxy's credentials (check --engine-api-key)",
+                          type="server_error", code="engine_auth_failed")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (details or ""):
         # gRPC's message-size limit, not a full queue: retrying (what a 429 invites) cannot help.
         return ProxyError(413, f"the request is larger than the engine accepts: {details}",

@@ -7,6 +7,7 @@ import time
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -46,9 +47,19 @@ class ProxyMetrics:
 
 
 def _route_name(scope: Scope) -> str:
+    """The route's path template; for a request answered before routing (a 401 from the key check, a 503
+    while draining), the template of the route it would have reached. Unknown paths are `unmatched`, so
+    probing random paths adds no label values."""
     route = scope.get("route")
     path = getattr(route, "path", None)
-    return path if path else "unmatched"
+    if path:
+        return path
+    app = scope.get("app")
+    for candidate in getattr(getattr(app, "router", None), "routes", ()):
+        match, _ = candidate.matches(scope)
+        if match != Match.NONE and getattr(candidate, "path", None):
+            return candidate.path
+    return "unmatched"
 
 
 class MetricsMiddleware:

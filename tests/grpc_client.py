@@ -51,9 +51,10 @@ class EngineProcess:
         return self.process.returncode
 
 
-def start_engine(*args: str, log_path: str, timeout_s: float = 180, port: int | None = None) -> EngineProcess:
+def start_engine(*args: str, log_path: str, timeout_s: float = 180, port: int | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> EngineProcess:
     """Starts `inference-service serve` on free loopback ports (or the given gRPC `port`, to restart
-    an engine where its clients expect it) and waits for health SERVING."""
+    an engine where its clients expect it) and waits for health SERVING (over TLS with `credentials`)."""
     port, metrics_port = port or free_port(), free_port()
     cmd = [sys.executable, "-m", "inference_service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--metrics-port", str(metrics_port), *args]
@@ -61,7 +62,9 @@ def start_engine(*args: str, log_path: str, timeout_s: float = 180, port: int | 
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     engine = EngineProcess(process, port, metrics_port, log_path)
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(engine.target) as channel:
+    channel = (grpc.secure_channel(engine.target, credentials) if credentials is not None
+               else grpc.insecure_channel(engine.target))
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process.poll() is not None:
@@ -105,9 +108,9 @@ class RequestResult:
 class GenerateStream:
     """One bidi Generate stream: send starts/cancels, collect responses by request id."""
 
-    def __init__(self, stub: pb_grpc.InferenceServiceStub, timeout: float | None = 120):
+    def __init__(self, stub: pb_grpc.InferenceServiceStub, timeout: float | None = 120, metadata=None):
         self._requests: queue.Queue = queue.Queue()
-        self._call = stub.Generate(iter(self._requests.get, None), timeout=timeout)
+        self._call = stub.Generate(iter(self._requests.get, None), timeout=timeout, metadata=metadata)
         self.results: dict[str, RequestResult] = defaultdict(RequestResult)
         self.errors: list[pb.GenerateResponse] = []  # rejected messages, in arrival order
 

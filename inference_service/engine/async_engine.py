@@ -120,6 +120,7 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(arg)
                 except EngineError as e:  # validation that needs engine state (cache size)
+                    self.engine.metrics.on_request_rejected()
                     usage = Usage(len(arg.prompt_token_ids), 0, 0)
                     deltas.append(CompletionDelta(arg.request_id, 0, [], "", finish_reason=FinishReason.ERROR, usage=usage, error=e))
             elif kind == "call":

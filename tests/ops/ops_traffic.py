@@ -45,6 +45,7 @@ class Traffic:
     prompt_tokens: int = 0  # as reported by the APIs (gRPC usage and OpenAI usage)
     completion_tokens: int = 0
     num_requests: int = 0  # requests the engine finished
+    num_rejected: int = 0  # requests the engine refused before running them (finish reason `error`)
     num_first_tokens: int = 0
     reasons: Counter = field(default_factory=Counter)
     cached_tokens: int = 0  # prefix-cache reuse of the second identical prompt
@@ -147,6 +148,7 @@ def proxy_traffic(proxy: ProxyServer, t: Traffic) -> None:
     except openai.BadRequestError:
         t.statuses["/v1/completions", "400"] += 1
         t.grpc_error_codes["INVALID_ARGUMENT"] += 1
+        t.num_rejected += 1
 
 
 def mcp_traffic(tmp: Path, t: Traffic) -> Scrape:

@@ -34,9 +34,11 @@ from tests.ops.ops_helpers import (
 SUCCESS = "inference_engine_request_success_total"
 
 
-def chart_transcoder_filter(descriptor) -> dict:
-    """The gRPC-JSON transcoder filter exactly as the chart renders it, reading `descriptor`."""
-    values = {"envoy": {"grpcJsonTranscoder": {"enabled": True, "descriptorConfigMap": "descriptor"}}}
+def chart_http_filters(descriptor) -> list[dict]:
+    """The optional gRPC-Web and gRPC-JSON transcoder filters exactly as the chart renders them (both off by
+    default), the transcoder reading `descriptor`."""
+    values = {"envoy": {"grpcWeb": {"enabled": True},
+                        "grpcJsonTranscoder": {"enabled": True, "descriptorConfigMap": "descriptor"}}}
     chart = helm_python.Chart.load(str(CHART))
     try:
         text = chart.render(values, name="llm", namespace="serving")["inference-service/templates/envoy-configmap.yaml"]
@@ -44,20 +46,21 @@ def chart_transcoder_filter(descriptor) -> dict:
         chart.close()
     config = yaml.safe_load(yaml.safe_load(text)["data"]["envoy.yaml"])
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    grpc_web = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.grpc_web")
     transcoder = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.grpc_json_transcoder")
     transcoder["typed_config"]["proto_descriptor"] = str(descriptor)
-    return transcoder
+    return [grpc_web, transcoder]
 
 
 @pytest.fixture(scope="module")
 def envoy(engines, tmp_path_factory):
-    """The shipped config on loopback ports, plus the chart's optional gRPC-JSON transcoder in front."""
+    """The shipped config on loopback ports, plus the chart's optional gRPC-Web and gRPC-JSON transcoder."""
     port, admin_port = free_ports(2)
     workdir = tmp_path_factory.mktemp("envoy")
     config = envoy_config_for(load_envoy_config(), port, admin_port, [engines["a"].port, engines["b"].port])
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    router = len(hcm["http_filters"]) - 1  # after gRPC-Web, before the router, as in the chart
-    hcm["http_filters"].insert(router, chart_transcoder_filter(build_descriptor(workdir / "descriptor.pb")))
+    router = len(hcm["http_filters"]) - 1  # before the router, as in the chart
+    hcm["http_filters"][router:router] = chart_http_filters(build_descriptor(workdir / "descriptor.pb"))
     proxy = start_envoy(config, workdir)
     yield proxy
     proxy.stop()

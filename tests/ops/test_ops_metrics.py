@@ -60,7 +60,11 @@ def test_finished_requests_by_reason(traffic):
     assert traffic.reasons["length"] >= 8 and traffic.reasons["abort"] == 1
     for reason, count in traffic.reasons.items():
         assert engine_delta(traffic, "inference_engine_request_success_total", finished_reason=reason) == count
-    assert engine_delta(traffic, "inference_engine_request_success_total") == traffic.num_requests
+    # A request the engine refuses (here a prompt larger than its KV cache) counts under `error`.
+    assert traffic.num_rejected == 1 and "error" not in traffic.reasons
+    assert engine_delta(traffic, "inference_engine_request_success_total", finished_reason="error") == 1
+    assert engine_delta(traffic, "inference_engine_request_success_total") == (traffic.num_requests
+                                                                               + traffic.num_rejected)
 
 
 def test_latency_histograms_count_every_request(traffic):

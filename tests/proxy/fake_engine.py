@@ -237,9 +237,12 @@ class FakeEngine(pb_grpc.InferenceServiceServicer):
 class FakeEngineServer:
     """Serves a `FakeEngine` (plus grpc.health.v1) on a loopback port from its own thread."""
 
-    def __init__(self, engine: FakeEngine | None = None, port: int | None = None):
+    def __init__(self, engine: FakeEngine | None = None, port: int | None = None, *,
+                 interceptors: list | None = None, credentials: grpc.ServerCredentials | None = None):
+        """`interceptors` and `credentials` (TLS) are the real engine's, to test what the proxy presents."""
         self.engine = engine or FakeEngine()
         self.port = port or free_port()
+        self._interceptors, self._credentials = interceptors, credentials
         self.loop = asyncio.new_event_loop()
         self._server: grpc.aio.Server | None = None
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -249,12 +252,16 @@ class FakeEngineServer:
         return f"127.0.0.1:{self.port}"
 
     async def _start(self) -> None:
-        self._server = grpc.aio.server()
+        self._server = grpc.aio.server(interceptors=self._interceptors)
         pb_grpc.add_InferenceServiceServicer_to_server(self.engine, self._server)
         health_servicer = health.aio.HealthServicer()
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        for service in ("", "inference.v1.InferenceService"):  # the name Envoy's health checks ask for
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
-        self._server.add_insecure_port(self.target)
+        if self._credentials is not None:
+            self._server.add_secure_port(self.target, self._credentials)
+        else:
+            self._server.add_insecure_port(self.target)
         await self._server.start()
 
     def start(self) -> FakeEngineServer:

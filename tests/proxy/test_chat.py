@@ -127,7 +127,7 @@ def test_tokenize_detokenize(proxy, engine):
 
 
 def test_health_and_metrics(proxy, client, engine):
-    r = httpx.get(proxy.url + "/health")
+    r = httpx.get(proxy.url + "/health?detail=true")
     assert r.status_code == 200 and r.json()["engines"][0]["serving"] is True
     client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "m"}])
     text = httpx.get(proxy.url + "/metrics").text

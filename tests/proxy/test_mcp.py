@@ -164,7 +164,7 @@ def test_crashing_server_is_respawned(mcp_proxy, engine):
     assert resp.choices[0].finish_reason == "stop"
     assert ask(mcp_proxy, "!ok").choices[0].message.content == "fine"  # still serving
     wait_for(lambda: conn.connects > before and conn.client is not None, what="respawn")
-    health = httpx.get(mcp_proxy.url + "/health").json()
+    health = httpx.get(mcp_proxy.url + "/health?detail=true").json()
     assert health["mcp_servers"]["calc"]["connected"] is True
     ask(mcp_proxy, "hello")
     assert "calc__add" in offered(engine)
@@ -185,7 +185,7 @@ def test_hanging_servers_leave_the_proxy_serving(fake_server, engine, tmp_path, 
     t0 = time.monotonic()
     proxy = start_proxy(engines=[fake_server.target], mcp_servers=load_mcp_config(path), mcp_startup_wait=8)
     assert time.monotonic() - t0 < 10
-    health = httpx.get(proxy.url + "/health").json()
+    health = httpx.get(proxy.url + "/health?detail=true").json()
     assert health["status"] == "ok" and health["mcp_servers"]["stuck"]["connected"] is False
     wait_for(lambda: proxy.app.state.mcp.connections["slow"].client is not None, what="slow server")
     engine.script["hang"] = '<tool_call>{"name": "slow__hang", "arguments": {}}</tool_call>'

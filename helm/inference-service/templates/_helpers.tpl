@@ -67,3 +67,12 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "inference-service.mcpEnabled" -}}
 {{- if or .Values.proxy.mcp.existingConfigMap .Values.proxy.mcp.servers }}true{{- end }}
 {{- end }}
+
+{{/* The Secret holding the engines' API key, or nothing when there is no key. */}}
+{{- define "inference-service.engineApiKeySecret" -}}
+{{- if .Values.engine.apiKey.existingSecret }}
+{{- .Values.engine.apiKey.existingSecret }}
+{{- else if .Values.engine.apiKey.value }}
+{{- printf "%s-engine" (include "inference-service.fullname" .) }}
+{{- end }}
+{{- end }}
