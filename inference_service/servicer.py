@@ -61,6 +61,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         add_special = start.add_special_tokens if start.HasField("add_special_tokens") else None
         return self.llm.input_processor.process(engine_request_id, prompt_from_proto(start), params, add_special)
 
+    def _count_rejected(self) -> None:
+        if self.llm is not None:  # an encoder has no generation metrics
+            self.llm.metrics.on_request_rejected()
+
     async def _off_loop(self, fn, *args):
         """Runs `fn(*args)` on the tokenizer threads: a long prompt must not stall every other stream."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
@@ -90,7 +94,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                         out.put(delta_to_proto(client_id, delta, self.tokenizer))
             except Exception as e:  # noqa: BLE001 - one request's failure ends that request, never the stream
                 if num_deltas == 0:  # refused before it ran (bad input, full queue, draining, bad format)
-                    self.llm.metrics.on_request_rejected()
+                    self._count_rejected()
                 out.put(error_response(client_id, as_engine_error(e)))
             finally:
                 active.pop(client_id, None)
@@ -129,8 +133,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                         else:
                             raise InvalidRequestError("the message sets neither start nor cancel", field="action")
                     except Exception as e:  # noqa: BLE001 - answered in-band; the stream carries on
-                        if action == "start" and self.llm is not None:
-                            self.llm.metrics.on_request_rejected()
+                        if action == "start":
+                            self._count_rejected()
                         out.put(error_response(client_id, as_engine_error(e)))
             finally:
                 out.wake()
