@@ -160,6 +160,7 @@ path, new_tokens, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.stdin.
 llm = Llama(model_path=path, n_ctx=1024, n_threads=2, n_threads_batch=2, verbose=False)
 def run(ids, n):
     seq, first = [], None
+    llm.reset()  # a prompt whose prefix is cached would otherwise reuse that state (and differ from a fresh run)
     for token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
         now = time.perf_counter()
         first = first or now

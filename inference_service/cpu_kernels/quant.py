@@ -1,7 +1,7 @@
 """GGUF Q4_0 / Q4_1 / Q8_0 weights executed in place on the CPU (a C++ extension, `quant_matmul.cpp`).
 
 `QuantizedWeight.from_gguf_blocks` splits a tensor's GGUF blocks once at load into the layout the
-kernels read (quants as stored, scales and mins widened to fp32); `quant_matmul` multiplies fp32
+kernels read (quants, scales and mins as stored, in separate arrays); `quant_matmul` multiplies fp32
 activations by it, dequantizing each block in registers; `dequantize_rows` expands chosen rows (the
 embedding lookup, and prefill, where a dense BLAS matmul over an expanded weight wins). The `*_ref`
 functions are the float64 references the tests use.
@@ -80,7 +80,7 @@ def cpu_ops_for(tensor: torch.Tensor):
 @dataclass
 class QuantizedWeight:
     """A [rows, cols] weight kept in GGUF blocks: `qs` [rows, cols / 32 * QB] uint8, `scales` (d) and,
-    for Q4_1, `mins` (m), each [rows, cols / 32] float32."""
+    for Q4_1, `mins` (m), each [rows, cols / 32] float16 as the file stores them."""
 
     qtype: QuantType
     qs: torch.Tensor
@@ -108,11 +108,11 @@ class QuantizedWeight:
         """`blocks` [rows, num_blocks * block_bytes] uint8, a GGUF tensor's raw data row by row."""
         rows = blocks.shape[0]
         grouped = np.ascontiguousarray(blocks).reshape(rows, -1, qtype.block_bytes)  # [R, B, block_bytes]
-        scales = grouped[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
-        mins = (grouped[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32)
-                if qtype is QuantType.Q4_1 else np.zeros((0,), np.float32))
+        scales = np.ascontiguousarray(grouped[:, :, 0:2]).view(np.float16)[:, :, 0]
+        mins = (np.ascontiguousarray(grouped[:, :, 2:4]).view(np.float16)[:, :, 0]
+                if qtype is QuantType.Q4_1 else np.zeros((0,), np.float16))
         qs = grouped[:, :, qtype.block_bytes - qtype.quant_bytes:].reshape(rows, -1)
-        return cls(qtype, torch.from_numpy(np.ascontiguousarray(qs)), torch.from_numpy(scales),
+        return cls(qtype, torch.from_numpy(np.ascontiguousarray(qs)), torch.from_numpy(np.ascontiguousarray(scales)),
                    torch.from_numpy(np.ascontiguousarray(mins)))
 
     def select_rows(self, index: np.ndarray) -> QuantizedWeight:

@@ -1,11 +1,11 @@
 // Weight-only quantized matmul on the CPU: GGUF Q4_0, Q4_1 and Q8_0 blocks executed in place.
 //
 // A weight row of K elements is K / 32 blocks. Each block keeps its quants as GGUF stores them and its
-// scale (and Q4_1's min) as fp32, split into separate arrays at load (quant.py):
+// scale (and Q4_1's min) as the fp16 GGUF stores, split into separate arrays at load (quant.py):
 //   qs     [R, K / 32 * QB] uint8   QB = 16 for the 4-bit types (element j in the low nibble of byte j,
 //                                   element j + 16 in its high nibble), 32 for Q8_0 (int8)
-//   scales [R, K / 32] fp32          d
-//   mins   [R, K / 32] fp32          Q4_1's m (empty for the others)
+//   scales [R, K / 32] fp16          d
+//   mins   [R, K / 32] fp16          Q4_1's m (empty for the others)
 // Dequantized: Q4_0 w = d * (q - 8), Q4_1 w = d * q + m, Q8_0 w = d * q. The kernels dequantize a block
 // in registers (one fused multiply-add per element) and multiply it into every activation row while it
 // is there, with fp32 activations and fp32 accumulation, so results are the dequantized model's up to
@@ -16,6 +16,7 @@
 #include "ops.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 
 #include <immintrin.h>
 
@@ -34,6 +35,8 @@ constexpr int64_t kRowTile = 4;
 int64_t quant_bytes_per_block(int64_t qtype) { return qtype == kQ8_0 ? 32 : 16; }
 
 // ----------------------------------------------------------------------------------- scalar path
+
+inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
 inline void dequant_block_scalar(int64_t qtype, const uint8_t* q, float d, float m, float* w) {
   switch (qtype) {
@@ -55,15 +58,15 @@ inline void dequant_block_scalar(int64_t qtype, const uint8_t* q, float d, float
 }
 
 void matmul_rows_scalar(int64_t qtype, const float* x, int64_t x_stride, int64_t num_rows, const uint8_t* qs,
-                        const float* scales, const float* mins, int64_t num_blocks, float* out,
+                        const uint16_t* scales, const uint16_t* mins, int64_t num_blocks, float* out,
                         int64_t out_stride, int64_t first, int64_t last) {
   const int64_t qb = quant_bytes_per_block(qtype);
   float w[kBlock];
   for (int64_t r = first; r < last; ++r) {
     for (int64_t n = 0; n < num_rows; ++n) out[n * out_stride + r] = 0.f;
     for (int64_t b = 0; b < num_blocks; ++b) {
-      dequant_block_scalar(qtype, qs + (r * num_blocks + b) * qb, scales[r * num_blocks + b],
-                           mins ? mins[r * num_blocks + b] : 0.f, w);
+      dequant_block_scalar(qtype, qs + (r * num_blocks + b) * qb, half_to_float(scales[r * num_blocks + b]),
+                           mins ? half_to_float(mins[r * num_blocks + b]) : 0.f, w);
       for (int64_t n = 0; n < num_rows; ++n) {
         const float* xb = x + n * x_stride + b * kBlock;
         float s = 0.f;
@@ -112,7 +115,7 @@ AVX2_FN inline float hsum_avx2(__m256 v) {
 // are not one dependency chain (batch 1 would otherwise wait on FMA latency, not memory).
 template <int NR>
 AVX2_FN void matmul_tile_avx2(int64_t qtype, const float* x, int64_t x_stride, const uint8_t* qs,
-                              const float* scales, const float* mins, int64_t num_blocks, float* out,
+                              const uint16_t* scales, const uint16_t* mins, int64_t num_blocks, float* out,
                               int64_t out_stride, int64_t first, int64_t last) {
   constexpr int NA = NR <= 2 ? 2 : 1;
   const int64_t qb = quant_bytes_per_block(qtype);
@@ -123,12 +126,12 @@ AVX2_FN void matmul_tile_avx2(int64_t qtype, const float* x, int64_t x_stride, c
       for (int a = 0; a < NA; ++a) acc0[n][a] = acc1[n][a] = _mm256_setzero_ps();
     const uint8_t* q0 = qs + r * num_blocks * qb;
     const uint8_t* q1 = q0 + num_blocks * qb;
-    const float* d0 = scales + r * num_blocks;
-    const float* m0 = mins ? mins + r * num_blocks : nullptr;
+    const uint16_t* d0 = scales + r * num_blocks;
+    const uint16_t* m0 = mins ? mins + r * num_blocks : nullptr;
     for (int64_t b = 0; b < num_blocks; ++b) {
       __m256 w0[4], w1[4];
-      dequant_block_avx2(qtype, q0 + b * qb, d0[b], m0 ? m0[b] : 0.f, w0);
-      dequant_block_avx2(qtype, q1 + b * qb, d0[num_blocks + b], m0 ? m0[num_blocks + b] : 0.f, w1);
+      dequant_block_avx2(qtype, q0 + b * qb, _cvtsh_ss(d0[b]), m0 ? _cvtsh_ss(m0[b]) : 0.f, w0);
+      dequant_block_avx2(qtype, q1 + b * qb, _cvtsh_ss(d0[num_blocks + b]), m0 ? _cvtsh_ss(m0[num_blocks + b]) : 0.f, w1);
       for (int n = 0; n < NR; ++n) {
         const float* xb = x + n * x_stride + b * kBlock;
         for (int i = 0; i < 4; ++i) {
@@ -152,8 +155,8 @@ AVX2_FN void matmul_tile_avx2(int64_t qtype, const float* x, int64_t x_stride, c
     for (int n = 0; n < NR; ++n) acc[n] = _mm256_setzero_ps();
     for (int64_t b = 0; b < num_blocks; ++b) {
       __m256 w[4];
-      dequant_block_avx2(qtype, qs + (r * num_blocks + b) * qb, scales[r * num_blocks + b],
-                         mins ? mins[r * num_blocks + b] : 0.f, w);
+      dequant_block_avx2(qtype, qs + (r * num_blocks + b) * qb, _cvtsh_ss(scales[r * num_blocks + b]),
+                         mins ? _cvtsh_ss(mins[r * num_blocks + b]) : 0.f, w);
       for (int n = 0; n < NR; ++n) {
         const float* xb = x + n * x_stride + b * kBlock;
         for (int i = 0; i < 4; ++i) acc[n] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xb + 8 * i), acc[n]);
@@ -164,7 +167,7 @@ AVX2_FN void matmul_tile_avx2(int64_t qtype, const float* x, int64_t x_stride, c
 }
 
 AVX2_FN void matmul_rows_avx2(int64_t qtype, const float* x, int64_t x_stride, int64_t num_rows,
-                              const uint8_t* qs, const float* scales, const float* mins, int64_t num_blocks,
+                              const uint8_t* qs, const uint16_t* scales, const uint16_t* mins, int64_t num_blocks,
                               float* out, int64_t out_stride, int64_t first, int64_t last) {
   for (int64_t n = 0; n < num_rows; n += kRowTile) {
     const float* xn = x + n * x_stride;
@@ -178,12 +181,12 @@ AVX2_FN void matmul_rows_avx2(int64_t qtype, const float* x, int64_t x_stride, i
   }
 }
 
-AVX2_FN void dequant_row_avx2(int64_t qtype, const uint8_t* q, const float* d, const float* m,
+AVX2_FN void dequant_row_avx2(int64_t qtype, const uint8_t* q, const uint16_t* d, const uint16_t* m,
                               int64_t num_blocks, float* w) {
   const int64_t qb = quant_bytes_per_block(qtype);
   for (int64_t b = 0; b < num_blocks; ++b) {
     __m256 v[4];
-    dequant_block_avx2(qtype, q + b * qb, d[b], m ? m[b] : 0.f, v);
+    dequant_block_avx2(qtype, q + b * qb, _cvtsh_ss(d[b]), m ? _cvtsh_ss(m[b]) : 0.f, v);
     for (int i = 0; i < 4; ++i) _mm256_storeu_ps(w + b * kBlock + 8 * i, v[i]);
   }
 }
@@ -216,7 +219,7 @@ AVX512_FN inline void dequant_block_avx512(int64_t qtype, const uint8_t* q, floa
 
 template <int NR>
 AVX512_FN void matmul_tile_avx512(int64_t qtype, const float* x, int64_t x_stride, const uint8_t* qs,
-                                  const float* scales, const float* mins, int64_t num_blocks, float* out,
+                                  const uint16_t* scales, const uint16_t* mins, int64_t num_blocks, float* out,
                                   int64_t out_stride, int64_t first, int64_t last) {
   const int64_t qb = quant_bytes_per_block(qtype);
   int64_t r = first;
@@ -226,12 +229,12 @@ AVX512_FN void matmul_tile_avx512(int64_t qtype, const float* x, int64_t x_strid
     for (int n = 0; n < NR; ++n) acc0[n][0] = acc0[n][1] = acc1[n][0] = acc1[n][1] = _mm512_setzero_ps();
     const uint8_t* q0 = qs + r * num_blocks * qb;
     const uint8_t* q1 = q0 + num_blocks * qb;
-    const float* d0 = scales + r * num_blocks;
-    const float* m0 = mins ? mins + r * num_blocks : nullptr;
+    const uint16_t* d0 = scales + r * num_blocks;
+    const uint16_t* m0 = mins ? mins + r * num_blocks : nullptr;
     for (int64_t b = 0; b < num_blocks; ++b) {
       __m512 w0[2], w1[2];
-      dequant_block_avx512(qtype, q0 + b * qb, d0[b], m0 ? m0[b] : 0.f, w0);
-      dequant_block_avx512(qtype, q1 + b * qb, d0[num_blocks + b], m0 ? m0[num_blocks + b] : 0.f, w1);
+      dequant_block_avx512(qtype, q0 + b * qb, _cvtsh_ss(d0[b]), m0 ? _cvtsh_ss(m0[b]) : 0.f, w0);
+      dequant_block_avx512(qtype, q1 + b * qb, _cvtsh_ss(d0[num_blocks + b]), m0 ? _cvtsh_ss(m0[num_blocks + b]) : 0.f, w1);
       for (int n = 0; n < NR; ++n) {
         const float* xb = x + n * x_stride + b * kBlock;
         for (int i = 0; i < 2; ++i) {
@@ -251,8 +254,8 @@ AVX512_FN void matmul_tile_avx512(int64_t qtype, const float* x, int64_t x_strid
     for (int n = 0; n < NR; ++n) acc[n] = _mm512_setzero_ps();
     for (int64_t b = 0; b < num_blocks; ++b) {
       __m512 w[2];
-      dequant_block_avx512(qtype, qs + (r * num_blocks + b) * qb, scales[r * num_blocks + b],
-                           mins ? mins[r * num_blocks + b] : 0.f, w);
+      dequant_block_avx512(qtype, qs + (r * num_blocks + b) * qb, _cvtsh_ss(scales[r * num_blocks + b]),
+                           mins ? _cvtsh_ss(mins[r * num_blocks + b]) : 0.f, w);
       for (int n = 0; n < NR; ++n) {
         const float* xb = x + n * x_stride + b * kBlock;
         for (int i = 0; i < 2; ++i) acc[n] = _mm512_fmadd_ps(w[i], _mm512_loadu_ps(xb + 16 * i), acc[n]);
@@ -263,7 +266,7 @@ AVX512_FN void matmul_tile_avx512(int64_t qtype, const float* x, int64_t x_strid
 }
 
 AVX512_FN void matmul_rows_avx512(int64_t qtype, const float* x, int64_t x_stride, int64_t num_rows,
-                                  const uint8_t* qs, const float* scales, const float* mins, int64_t num_blocks,
+                                  const uint8_t* qs, const uint16_t* scales, const uint16_t* mins, int64_t num_blocks,
                                   float* out, int64_t out_stride, int64_t first, int64_t last) {
   for (int64_t n = 0; n < num_rows; n += kRowTile) {
     const float* xn = x + n * x_stride;
@@ -277,12 +280,12 @@ AVX512_FN void matmul_rows_avx512(int64_t qtype, const float* x, int64_t x_strid
   }
 }
 
-AVX512_FN void dequant_row_avx512(int64_t qtype, const uint8_t* q, const float* d, const float* m,
+AVX512_FN void dequant_row_avx512(int64_t qtype, const uint8_t* q, const uint16_t* d, const uint16_t* m,
                                   int64_t num_blocks, float* w) {
   const int64_t qb = quant_bytes_per_block(qtype);
   for (int64_t b = 0; b < num_blocks; ++b) {
     __m512 v[2];
-    dequant_block_avx512(qtype, q + b * qb, d[b], m ? m[b] : 0.f, v);
+    dequant_block_avx512(qtype, q + b * qb, _cvtsh_ss(d[b]), m ? _cvtsh_ss(m[b]) : 0.f, v);
     _mm512_storeu_ps(w + b * kBlock, v[0]);
     _mm512_storeu_ps(w + b * kBlock + 16, v[1]);
   }
@@ -311,12 +314,12 @@ Isa active_isa() { return std::min(detect_isa(), g_forced_isa); }
 static void check_weight(const torch::Tensor& qs, const torch::Tensor& scales, const torch::Tensor& mins, int64_t qtype) {
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "unknown quant type ", qtype);
   TORCH_CHECK(qs.dtype() == torch::kUInt8 && qs.dim() == 2 && qs.is_contiguous(), "qs must be contiguous uint8 [R, B * QB]");
-  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.dim() == 2 && scales.is_contiguous(),
-              "scales must be contiguous float32 [R, B]");
+  TORCH_CHECK(scales.dtype() == torch::kFloat16 && scales.dim() == 2 && scales.is_contiguous(),
+              "scales must be contiguous float16 [R, B]");
   TORCH_CHECK(qs.size(0) == scales.size(0) && qs.size(1) == scales.size(1) * quant_bytes_per_block(qtype),
               "qs ", qs.sizes(), " does not match scales ", scales.sizes());
   if (qtype == kQ4_1) {
-    TORCH_CHECK(mins.dtype() == torch::kFloat32 && mins.sizes() == scales.sizes() && mins.is_contiguous(),
+    TORCH_CHECK(mins.dtype() == torch::kFloat16 && mins.sizes() == scales.sizes() && mins.is_contiguous(),
                 "Q4_1 needs mins shaped like scales");
   }
 }
@@ -333,8 +336,8 @@ void quant_matmul(const torch::Tensor& x, const torch::Tensor& qs, const torch::
               "out must be float32 [N, R] with contiguous rows");
   const float* xp = x.data_ptr<float>();
   const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const float* dp = scales.data_ptr<float>();
-  const float* mp = qtype == kQ4_1 ? mins.data_ptr<float>() : nullptr;
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* mp = qtype == kQ4_1 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t num_rows = x.size(0), x_stride = x.stride(0), out_stride = out.stride(0);
   const Isa isa = active_isa();
@@ -370,23 +373,23 @@ torch::Tensor dequantize_rows(const torch::Tensor& qs, const torch::Tensor& scal
   }
   torch::Tensor out = torch::empty({num_out, num_blocks * kBlock}, torch::kFloat32);
   const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const float* dp = scales.data_ptr<float>();
-  const float* mp = qtype == kQ4_1 ? mins.data_ptr<float>() : nullptr;
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* mp = qtype == kQ4_1 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
   float* op = out.data_ptr<float>();
   const Isa isa = active_isa();
   at::parallel_for(0, num_out, 16, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const int64_t r = ip ? ip[i] : i;
       const uint8_t* q = qp + r * num_blocks * qb;
-      const float* d = dp + r * num_blocks;
-      const float* m = mp ? mp + r * num_blocks : nullptr;
+      const uint16_t* d = dp + r * num_blocks;
+      const uint16_t* m = mp ? mp + r * num_blocks : nullptr;
       float* w = op + i * num_blocks * kBlock;
       if (isa == Isa::kAvx512) {
         dequant_row_avx512(qtype, q, d, m, num_blocks, w);
       } else if (isa == Isa::kAvx2) {
         dequant_row_avx2(qtype, q, d, m, num_blocks, w);
       } else {
-        for (int64_t b = 0; b < num_blocks; ++b) dequant_block_scalar(qtype, q + b * qb, d[b], m ? m[b] : 0.f, w + b * kBlock);
+        for (int64_t b = 0; b < num_blocks; ++b) dequant_block_scalar(qtype, q + b * qb, half_to_float(d[b]), m ? half_to_float(m[b]) : 0.f, w + b * kBlock);
       }
     }
   });
