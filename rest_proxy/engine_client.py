@@ -270,18 +270,18 @@ class EngineRouter:
                 if client.model_name == model:
                     return client
             if all(c.info is None for c in self.clients):
-                # An engine that answers but refuses (a wrong --engine-api-key) says so, not "unreachable".
-                refusals = [c.last_refresh_error for c in self.clients
-                            if c.last_refresh_error is not None and c.last_refresh_error.status not in _UNREACHABLE]
-                if refusals:
-                    raise refusals[0]
                 raise self.unavailable()
         served = ", ".join(sorted(m.model_name for m in self.models()))
         raise ProxyError(404, f"The model `{model}` does not exist. Served models: {served}",
                          type="invalid_request_error", param="model", code="model_not_found")
 
     def unavailable(self) -> ProxyError:
-        """The error while no engine has described its model yet (none reachable)."""
+        """The error while no engine has described its model yet: an engine that answers but refuses
+        (a wrong --engine-api-key) says so; otherwise none is reachable."""
+        refusals = [c.last_refresh_error for c in self.clients
+                    if c.last_refresh_error is not None and c.last_refresh_error.status not in _UNREACHABLE]
+        if refusals:
+            return refusals[0]
         targets = ", ".join(c.target for c in self.clients)
         return ProxyError(503, f"no engine reachable ({targets})", type="service_unavailable",
                           code="engine_unavailable")

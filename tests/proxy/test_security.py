@@ -144,7 +144,8 @@ def test_proxy_presents_key_and_client_certificate(start_proxy, guarded_engine, 
 def test_wrong_engine_key_is_a_502_not_the_clients_401(start_proxy, guarded_engine, tls):
     proxy = start_proxy(engines=[guarded_engine.target], engine_api_key="wrong", engine_tls_ca=str(tls.ca),
                         engine_tls_cert=str(tls.client_cert), engine_tls_key=str(tls.client_key))
-    assert get(proxy, "/v1/models").json()["data"] == []  # GetModelInfo is refused too
+    models = get(proxy, "/v1/models")  # GetModelInfo is refused too
+    assert models.status_code == 502 and models.json()["error"]["code"] == "engine_auth_failed"
     # The health check needs no key: the engine is up, the proxy's key is what is wrong.
     assert get(proxy, "/health").status_code == 200
     client = OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=30)
@@ -166,13 +167,14 @@ def test_engine_refuses_a_proxy_without_its_credentials(start_proxy, guarded_eng
     else:
         settings.pop("engine_api_key")
     proxy = start_proxy(engines=[guarded_engine.target], **settings)
-    assert get(proxy, "/v1/models").json()["data"] == []
+    # Without TLS or a client certificate no connection is made (503); without the key the engine answers
+    # UNAUTHENTICATED, which is the proxy's fault (502), not the client's (401).
+    expected = 502 if how == "no-key" else 503
+    assert get(proxy, "/v1/models").status_code == expected
     client = OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=30)
     with pytest.raises(openai.APIStatusError) as info:
         client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "Hi"}])
-    # Without TLS or a client certificate no connection is made (503); without the key the engine answers
-    # UNAUTHENTICATED, which is the proxy's fault (502), not the client's (401).
-    assert info.value.status_code == (502 if how == "no-key" else 503)
+    assert info.value.status_code == expected
 
 
 def test_proxy_on_a_taken_port_exits_with_a_clear_message(fake_server):
