@@ -146,7 +146,7 @@ class ResponsesService:
                         self.metrics.first_token_latency.labels(endpoint="responses").observe(
                             time.perf_counter() - t0)
                     yield _sse(event)
-        except Exception as err:  # noqa: BLE001 - once the stream is open, failures are reported in-band
+        except Exception as err:  # once the stream is open, failures are reported in-band
             if not started:
                 raise
             if not isinstance(err, ProxyError):

@@ -87,7 +87,7 @@ def test_previous_response_id_continues_the_conversation(sdk, model):
 
 
 def test_stream_events_and_final_response(sdk, model):
-    kwargs = dict(model=model, input="Name three colors.", max_output_tokens=16, temperature=0)
+    kwargs = {"model": model, "input": "Name three colors.", "max_output_tokens": 16, "temperature": 0}
     created = sdk.responses.create(**kwargs)
     with sdk.responses.stream(**kwargs) as stream:
         events = list(stream)
@@ -108,8 +108,8 @@ def test_stream_events_and_final_response(sdk, model):
 
 def test_function_tool_round_trip(sdk, model):
     ask = "What is the weather in Paris?"
-    forced = dict(model=model, input=ask, tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
-                  max_output_tokens=30, temperature=0)
+    forced = {"model": model, "input": ask, "tools": [WEATHER], "max_output_tokens": 30, "temperature": 0,
+              "tool_choice": {"type": "function", "name": "get_weather"}}
     resp = strict(sdk.responses.create(**forced))
     [call] = resp.output
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id
@@ -176,8 +176,8 @@ def test_mcp_tool_runs_in_the_proxy(real_engine, model, tmp_path):
                                     max_mcp_rounds=2)).start()
     try:
         client = OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=120)
-        kwargs = dict(model=model, input="What is 2 plus 3? Use the tool.", max_output_tokens=40, temperature=0,
-                      tool_choice={"type": "function", "name": "calc__add"})
+        kwargs = {"model": model, "input": "What is 2 plus 3? Use the tool.", "max_output_tokens": 40,
+                  "temperature": 0, "tool_choice": {"type": "function", "name": "calc__add"}}
         resp = strict(client.responses.create(**kwargs))
         assert [item.type for item in resp.output] == ["message"] and resp.output_text
         with client.responses.stream(**kwargs) as stream:
