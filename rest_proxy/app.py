@@ -27,6 +27,8 @@ from rest_proxy.mcp_manager import McpManager
 from rest_proxy.metrics import MetricsMiddleware, ProxyMetrics
 from rest_proxy.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                                  TokenizeRequest)
+from rest_proxy.responses import ResponsesService, build_router
+from rest_proxy.responses_store import ResponseStore
 from rest_proxy.sse import event_stream
 from rest_proxy.translate import chat_input, check_wire_safe, template_renders_tools
 
@@ -47,6 +49,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
     chat = ChatService(router, metrics=metrics, mcp=mcp, tool_parser=config.tool_parser,
                        mcp_execute=config.mcp_execute, max_mcp_rounds=config.max_mcp_rounds)
     completions = CompletionService(router, metrics=metrics)
+    responses = ResponsesService(chat, ResponseStore(config.responses_store_size, config.responses_store_ttl),
+                                 metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -78,6 +82,9 @@ def create_app(config: ProxyConfig) -> FastAPI:
         if req.stream:
             return await event_stream(chat.stream(plan), metrics)
         return JSONResponse(await chat.complete(plan))
+
+    app.state.responses_store = responses.store
+    app.include_router(build_router(responses))
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest):

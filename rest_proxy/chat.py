@@ -156,6 +156,10 @@ class ChatService:
             start.sampling.structured_output.lark_grammar = grammar
             plan.format_param = _tool_param(plan, None)
 
+    def events(self, plan: ChatPlan) -> AsyncIterator[tuple]:
+        """The planned request's events (see `_events`), for the front ends built on chat (the Responses API)."""
+        return self._events(plan)
+
     async def _events(self, plan: ChatPlan) -> AsyncIterator[tuple]:
         """Yields ("delta", index, delta, logprobs), ("finish", index, reason) and ("usage", dict)."""
         messages = plan.messages

@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--docs", action=argparse.BooleanOptionalAction, default=True,
                        help="serve /docs, /redoc and /openapi.json (behind --api-key when it is set); "
                             "--no-docs switches them off")
+    serve.add_argument("--responses-store-size", type=int, default=1000, metavar="N",
+                       help="most responses kept for previous_response_id and GET /v1/responses/{id} "
+                            "(least recently used evicted first; 0: none kept). In memory, per replica")
+    serve.add_argument("--responses-store-ttl", type=float, default=3600.0, metavar="SECONDS",
+                       help="seconds a stored response is kept")
     engine = serve.add_argument_group("engine connection")
     engine.add_argument("--engine-api-key", default=None,
                         help=f"key the engines require (their --api-key; default: ${ENGINE_API_KEY_ENV})")
@@ -81,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                              body_timeout=args.body_timeout,
                              engine_api_key=args.engine_api_key or os.environ.get(ENGINE_API_KEY_ENV) or None,
                              engine_tls_ca=args.engine_tls_ca, engine_tls_cert=args.engine_tls_cert,
-                             engine_tls_key=args.engine_tls_key, docs=args.docs)
+                             engine_tls_key=args.engine_tls_key, docs=args.docs,
+                             responses_store_size=args.responses_store_size,
+                             responses_store_ttl=args.responses_store_ttl)
     except ValueError as err:
         print(f"rest-proxy: {err}", file=sys.stderr)
         return 2

@@ -32,6 +32,9 @@ class ProxyConfig:
     engine_tls_cert: str | None = None
     engine_tls_key: str | None = None
     docs: bool = True  # /docs, /redoc, /openapi.json (behind api_key when it is set)
+    # Stored responses for previous_response_id: at most this many (LRU), each this many seconds at most.
+    responses_store_size: int = 1000
+    responses_store_ttl: float = 3600.0
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -46,6 +49,10 @@ class ProxyConfig:
             raise ValueError("max_body_bytes must be >= 1")
         if not (self.header_timeout > 0 and self.body_timeout > 0):
             raise ValueError("header_timeout and body_timeout must be > 0")
+        if self.responses_store_size < 0:
+            raise ValueError("--responses-store-size must be >= 0")
+        if not self.responses_store_ttl > 0:
+            raise ValueError("--responses-store-ttl must be > 0")
         if (self.engine_tls_cert is None) != (self.engine_tls_key is None):
             raise ValueError("--engine-tls-cert and --engine-tls-key go together")
         for flag, path in (("--engine-tls-ca", self.engine_tls_ca), ("--engine-tls-cert", self.engine_tls_cert),

@@ -1,0 +1,142 @@
+"""The Responses API's parts without a model: the bounded store (by count and by age, exact eviction order),
+the store behind the proxy (scripted engine), and the event builder checked by the `openai` SDK's own stream
+accumulator, including output the chat path cannot produce yet (reasoning, text after a call, a refusal)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import OpenAI, omit
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from rest_proxy.errors import ProxyError
+from rest_proxy.responses_output import ResponseBuilder
+from rest_proxy.responses_store import ResponseStore, StoredResponse
+
+EVENTS = TypeAdapter(ResponseStreamEvent)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def entry(n: int) -> StoredResponse:
+    return StoredResponse(response={"id": f"r{n}"}, messages=[])
+
+
+def test_store_evicts_least_recently_used_beyond_max_entries():
+    store = ResponseStore(max_entries=3, ttl=60, clock=Clock())
+    for n in range(3):
+        store.put(f"r{n}", entry(n))
+    assert store.get("r0").response == {"id": "r0"}  # r0 is now the most recently used
+    store.put("r3", entry(3))
+    assert store.get("r1") is None and [k for k in ("r0", "r2", "r3") if store.get(k)] == ["r0", "r2", "r3"]
+    store.put("r4", entry(4))  # the gets above used r0, r2, r3 in that order: r0 goes
+    assert store.get("r0") is None and len(store) == 3
+    assert store.delete("r4") and not store.delete("r4") and len(store) == 2
+
+
+def test_store_expires_by_age_whatever_the_use():
+    clock = Clock()
+    store = ResponseStore(max_entries=10, ttl=60, clock=clock)
+    store.put("old", entry(0))
+    clock.now += 30
+    store.put("young", entry(1))
+    clock.now += 29.5
+    assert store.get("old") is not None  # 59.5 s old, and used: use does not extend its life
+    clock.now += 0.5
+    assert store.get("old") is None and store.get("young") is not None and len(store) == 1
+    clock.now += 30
+    assert store.get("young") is None and len(store) == 0
+
+
+def test_store_of_size_zero_keeps_nothing_and_bad_bounds_are_refused():
+    store = ResponseStore(max_entries=0, ttl=60)
+    store.put("r", entry(0))
+    assert store.get("r") is None
+    with pytest.raises(ValueError, match="max_entries"):
+        ResponseStore(max_entries=-1)
+    with pytest.raises(ValueError, match="ttl"):
+        ResponseStore(ttl=0)
+
+
+def test_proxy_store_bounds(fake_server, engine, start_proxy):
+    proxy = start_proxy(engines=[fake_server.target], responses_store_size=2, responses_store_ttl=60)
+    client = OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    clock = Clock()
+    proxy.app.state.responses_store.clock = clock
+    ids = [client.responses.create(model="fake-model", input=f"turn {n}").id for n in range(3)]
+    missing = httpx.get(f"{proxy.url}/v1/responses/{ids[0]}")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "response_id"
+    follow = httpx.post(proxy.url + "/v1/responses", json={"model": "fake-model", "input": "more",
+                                                           "previous_response_id": ids[0]})
+    assert follow.status_code == 404
+    assert follow.json()["error"] == {"message": f"Previous response with id {ids[0]!r} not found.",
+                                      "type": "invalid_request_error", "param": "previous_response_id",
+                                      "code": "previous_response_not_found"}
+    assert [client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
+    clock.now += 30
+    newest = client.responses.create(model="fake-model", input="turn 3").id  # evicts ids[1]
+    clock.now += 30
+    assert httpx.get(f"{proxy.url}/v1/responses/{ids[2]}").status_code == 404  # 60 s old
+    assert client.responses.retrieve(newest).id == newest
+    clock.now += 30
+    assert httpx.get(f"{proxy.url}/v1/responses/{newest}").status_code == 404
+    assert len(proxy.app.state.responses_store) == 0
+    # DELETE answers the deleted id, and a second DELETE finds nothing.
+    kept = client.responses.create(model="fake-model", input="turn 4").id
+    deleted = httpx.delete(f"{proxy.url}/v1/responses/{kept}")
+    assert deleted.json() == {"id": kept, "object": "response.deleted", "deleted": True}
+    assert httpx.delete(f"{proxy.url}/v1/responses/{kept}").status_code == 404
+
+
+def skeleton() -> dict:
+    return {"id": "resp_1", "object": "response", "created_at": 1, "status": "in_progress", "model": "m",
+            "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "error": None,
+            "incomplete_details": None, "usage": None}
+
+
+def replay(events: list[dict]) -> ResponseStreamState:
+    """Feed the events to the SDK's stream accumulator, as `client.responses.stream` does."""
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    for i, event in enumerate(events):
+        assert event["sequence_number"] == i
+        state.handle_event(EVENTS.validate_python(event))
+    return state
+
+
+def test_builder_events_satisfy_the_sdk_accumulator():
+    b = ResponseBuilder(skeleton())
+    events = b.start() + b.reasoning("Think") + b.reasoning("ing.") + b.text("Hel") + b.text("lo")
+    events += b.call_start("call_1", "f") + b.call_arguments('{"a":') + b.call_arguments(" 1}")
+    events += b.text("After.") + b.refusal("No.") + b.finish("stop", {"prompt_tokens": 5, "completion_tokens": 7})
+    final = replay(events)._completed_response
+    response = Response.model_validate(final.to_dict())
+    assert [item.type for item in response.output] == ["reasoning", "message", "function_call", "message"]
+    reasoning, hello, call, after = response.output
+    assert reasoning.content[0].text == "Thinking." and reasoning.status == "completed"
+    assert hello.content[0].text == "Hello" and call.arguments == '{"a": 1}' and call.call_id == "call_1"
+    assert [p.type for p in after.content] == ["output_text", "refusal"] and after.content[1].refusal == "No."
+    assert response.output_text == "HelloAfter."
+    assert (response.usage.input_tokens, response.usage.output_tokens, response.usage.total_tokens) == (5, 7, 12)
+
+
+def test_builder_length_and_failure():
+    b = ResponseBuilder(skeleton())
+    events = b.start() + b.text("cut") + b.finish("length", None)
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert events[-2]["item"]["status"] == "incomplete"
+    replay(events)
+    b = ResponseBuilder(skeleton())
+    events = b.start() + b.text("half") + b.fail(ProxyError(503, "engine gone", param=None))
+    assert events[-1]["type"] == "response.failed"
+    assert events[-1]["response"]["error"] == {"code": "server_error", "message": "engine gone", "param": None,
+                                               "type": "service_unavailable"}
+    assert replay(events)._completed_response is None
