@@ -7,6 +7,10 @@ heads as G query rows. Sequences with several queries (prefill chunks) are atten
 
 Index tensors derived from the metadata (which slots to write, where each decode context lives) are
 built once per model step and reused by every layer.
+
+A decode-only step in float32 on the CPU is one C++ call per layer instead (`cpu_kernels`, which writes the
+keys and values and attends, with the same arithmetic): at batch 1 the dozen torch ops above cost more
+than the attention itself.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from inference_service.attention.metadata import AttentionMetadata
+from inference_service.cpu_kernels.quant import cpu_ops_for
 
 
 @dataclass
@@ -51,10 +56,13 @@ class TorchPagedAttention:
 
     name = "torch_paged"
 
-    def __init__(self) -> None:
+    def __init__(self, use_cpu_kernels: bool = True) -> None:
+        self.use_cpu_kernels = use_cpu_kernels
         self._plan_metadata: AttentionMetadata | None = None
         self._plan_key: tuple | None = None  # (k_cache.shape[1:], dtype) the plan was built for
         self._plan: _StepPlan | None = None
+        self._cpu_ops = None  # the C++ decode path, found on the first float32 CPU step
+        self._cpu_ops_checked = not use_cpu_kernels
 
     def forward(
         self,
@@ -66,6 +74,12 @@ class TorchPagedAttention:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if metadata.max_query_len == 1 and k_cache.dtype == torch.float32 and q.shape[0] == metadata.seq_lens.shape[0]:
+            if not self._cpu_ops_checked:
+                self._cpu_ops, self._cpu_ops_checked = cpu_ops_for(k_cache), True
+            if self._cpu_ops is not None:
+                return self._cpu_ops.paged_decode_attention(q, k, v, k_cache, v_cache, metadata.block_tables,
+                                                            metadata.seq_lens, metadata.slot_mapping, scale)
         plan = self._get_plan(metadata, k_cache)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]

@@ -8,4 +8,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("limit_instruction_set", &limit_instruction_set, "cap the SIMD path (for tests and comparisons)");
   m.def("add_rms_norm", &add_rms_norm, "hidden += delta (if given), then weight * hidden / rms(hidden)");
   m.def("rotary_", &rotary_, "x = x * cos + rotate_half(x) * sin, in place");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "write k/v at slot_mapping, then each sequence's query attends its context -> [S, Hq, D]");
 }

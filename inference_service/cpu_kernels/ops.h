@@ -18,3 +18,9 @@ std::string limit_instruction_set(const std::string& name);
 torch::Tensor add_rms_norm(torch::Tensor& hidden, const std::optional<torch::Tensor>& delta,
                            const torch::Tensor& weight, double eps);
 void rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin_signed);
+
+// decode_attention.cpp: one query per sequence against its paged context; writes this step's k/v first.
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                     torch::Tensor& k_cache, torch::Tensor& v_cache,
+                                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                                     const torch::Tensor& slot_mapping, double scale);

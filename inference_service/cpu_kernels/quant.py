@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 BLOCK_SIZE = 32
 _SOURCES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-            for name in ("quant_matmul.cpp", "norm_rope.cpp", "bindings.cpp")]
+            for name in ("quant_matmul.cpp", "norm_rope.cpp", "decode_attention.cpp", "bindings.cpp")]
 _EXTENSION_NAME = "inference_service_cpu_quant"
 
 

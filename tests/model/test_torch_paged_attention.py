@@ -24,7 +24,8 @@ def dense_attention(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).to(q.dtype)
 
 
-def run_case(num_heads, num_kv_heads, head_dim, block_size, cached_lens, query_lens, seed, pad_rows=0):
+def run_case(num_heads, num_kv_heads, head_dim, block_size, cached_lens, query_lens, seed, pad_rows=0,
+             use_cpu_kernels=True):
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     num_blocks = 64
@@ -56,7 +57,9 @@ def run_case(num_heads, num_kv_heads, head_dim, block_size, cached_lens, query_l
     v = torch.randn(total_rows, num_kv_heads, head_dim, generator=gen)
     untouched = k_cache.clone()
     scale = head_dim ** -0.5
-    out = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, metadata, scale)
+    backend = TorchPagedAttention(use_cpu_kernels=use_cpu_kernels)
+    out = backend.forward(q, k, v, k_cache, v_cache, metadata, scale)
+    assert (backend._cpu_ops is not None) == (use_cpu_kernels and max(query_lens) == 1 and not pad_rows)
     assert out.shape == (total_rows, num_heads, head_dim)
     start = 0
     for i, (cached, query_len) in enumerate(zip(cached_lens, query_lens)):
@@ -83,16 +86,21 @@ def test_mixed_prefill_and_decode(num_heads, num_kv_heads, head_dim, block_size)
              cached_lens=[0, 9, 17, 0, 3], query_lens=[7, 5, 1, 1, 1], seed=head_dim)
 
 
+@pytest.mark.parametrize("use_cpu_kernels", [True, False], ids=["cpp", "torch"])
 @pytest.mark.parametrize("seed", range(3))
-def test_decode_only_batches(seed):
+def test_decode_only_batches(seed, use_cpu_kernels):
+    """Decode-only steps: the C++ kernel (one call per layer) and the torch ops, each against the reference."""
     rng = random.Random(seed)
     cached = [rng.randint(0, 40) for _ in range(6)]
-    run_case(6, 2, 16, 4, cached_lens=cached, query_lens=[1] * 6, seed=seed)
+    run_case(6, 2, 16, 4, cached_lens=cached, query_lens=[1] * 6, seed=seed, use_cpu_kernels=use_cpu_kernels)
+    run_case(9, 3, 64, 16, cached_lens=[rng.randint(0, 300) for _ in range(3)], query_lens=[1] * 3, seed=seed,
+             use_cpu_kernels=use_cpu_kernels)
 
 
-def test_decode_only_equal_lengths_and_single_sequence():
-    run_case(4, 2, 8, 4, cached_lens=[12, 12, 12], query_lens=[1, 1, 1], seed=5)
-    run_case(4, 2, 8, 4, cached_lens=[0], query_lens=[1], seed=6)
+@pytest.mark.parametrize("use_cpu_kernels", [True, False], ids=["cpp", "torch"])
+def test_decode_only_equal_lengths_and_single_sequence(use_cpu_kernels):
+    run_case(4, 2, 8, 4, cached_lens=[12, 12, 12], query_lens=[1, 1, 1], seed=5, use_cpu_kernels=use_cpu_kernels)
+    run_case(4, 2, 8, 4, cached_lens=[0], query_lens=[1], seed=6, use_cpu_kernels=use_cpu_kernels)
 
 
 def test_padding_rows_are_not_written():

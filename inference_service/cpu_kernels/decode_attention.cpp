@@ -1,0 +1,102 @@
+// Paged decode attention for float32 on the CPU: each sequence's one new query attends its whole context.
+//
+// One call per layer writes the step's keys and values into the cache and attends every (sequence, kv
+// head) pair: the pair's G query heads share each key and value row as it is read. Scores, softmax and
+// the weighted sum are float32 (the max subtracted before exp, as softmax does), so results equal the
+// torch path's up to summation order.
+
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                     torch::Tensor& k_cache, torch::Tensor& v_cache,
+                                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                                     const torch::Tensor& slot_mapping, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3 && q.stride(2) == 1, "q must be float32 [S, Hq, D]");
+  TORCH_CHECK(k_cache.dtype() == torch::kFloat32 && k_cache.dim() == 4 && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() && v_cache.dtype() == torch::kFloat32,
+              "caches must be contiguous float32 [num_blocks, block_size, Hkv, D]");
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes do not match");
+  TORCH_CHECK(k.dim() == 3 && k.size(0) == num_seqs && k.size(1) == num_kv_heads && k.size(2) == head_dim &&
+                  k.stride(2) == 1 && v.sizes() == k.sizes() && v.stride(2) == 1,
+              "k and v must be [S, Hkv, D] with D contiguous");
+  TORCH_CHECK(block_tables.dtype() == torch::kInt32 && block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
+                  block_tables.size(0) == num_seqs, "block_tables must be int32 [S, max_blocks], rows contiguous");
+  TORCH_CHECK(seq_lens.dtype() == torch::kInt32 && seq_lens.numel() == num_seqs && seq_lens.is_contiguous(),
+              "seq_lens must be int32 [S]");
+  TORCH_CHECK(slot_mapping.dtype() == torch::kInt64 && slot_mapping.numel() == num_seqs && slot_mapping.is_contiguous(),
+              "slot_mapping must be int64 [S]");
+  const int64_t num_slots = k_cache.size(0) * block_size, row = num_kv_heads * head_dim;
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {  // write this step's keys and values first: the query sees its own
+    if (slots[s] < 0) continue;
+    TORCH_CHECK(slots[s] < num_slots, "slot ", slots[s], " out of range");
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      std::copy_n(k.data_ptr<float>() + s * k.stride(0) + h * k.stride(1), head_dim, kc + slots[s] * row + h * head_dim);
+      std::copy_n(v.data_ptr<float>() + s * v.stride(0) + h * v.stride(1), head_dim, vc + slots[s] * row + h * head_dim);
+    }
+  }
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables.size(1), table_stride = block_tables.stride(0);
+  const int64_t group = num_heads / num_kv_heads;
+  torch::Tensor out = torch::empty({num_seqs, num_heads, head_dim}, q.options());
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores;
+    for (int64_t pair = first; pair < last; ++pair) {
+      const int64_t s = pair / num_kv_heads, h = pair % num_kv_heads, len = lens[s];
+      TORCH_CHECK(len > 0 && (len + block_size - 1) / block_size <= max_blocks, "bad seq_len ", len);
+      scores.assign(group * len, 0.f);
+      const float* qs = qp + s * q.stride(0) + h * group * q.stride(1);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = (int64_t)tables[s * table_stride + t / block_size] * block_size + t % block_size;
+        const float* key = kc + slot * row + h * head_dim;
+        for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(qs + g * q.stride(1), key, head_dim) * (float)scale;
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sc = scores.data() + g * len;
+        const float max_score = *std::max_element(sc, sc + len);
+        float total = 0.f;
+        for (int64_t t = 0; t < len; ++t) total += (sc[t] = std::exp(sc[t] - max_score));
+        const float inv_total = 1.f / total;
+        for (int64_t t = 0; t < len; ++t) sc[t] *= inv_total;
+      }
+      float* os = op + (s * num_heads + h * group) * head_dim;
+      std::fill_n(os, group * head_dim, 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = (int64_t)tables[s * table_stride + t / block_size] * block_size + t % block_size;
+        const float* value = vc + slot * row + h * head_dim;
+        for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t], value, os + g * head_dim, head_dim);
+      }
+    }
+  });
+  return out;
+}
