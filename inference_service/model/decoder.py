@@ -269,9 +269,7 @@ class DecoderModel(nn.Module):
         """Bytes of weights a decode step reads: every parameter (a tied embedding once, as the lm_head)
         and every quantized projection in its blocks."""
         params = {id(p): p.numel() * p.element_size() for p in self.parameters()}  # tied: counted once
-        packed = sum(m._packed.numel() * m._packed.element_size() for m in self.modules()
-                     if isinstance(m, Linear) and m._packed is not None)
-        return sum(params.values()) + packed + sum(m.quantized_bytes for m in self.modules() if isinstance(m, Linear))
+        return sum(params.values()) + sum(m.num_packed_bytes for m in self.modules() if isinstance(m, Linear))
 
     def _pack_linears(self) -> None:
         """Re-lay every projection out for the CPU matmul kernels once the weights are in.

@@ -57,8 +57,10 @@ class Linear(nn.Module):
         self.quantized = sorted([*self.quantized, (first_row, weight)], key=lambda part: part[0])
 
     @property
-    def quantized_bytes(self) -> int:
-        return sum(weight.nbytes for _, weight in self.quantized)
+    def num_packed_bytes(self) -> int:
+        """Bytes of the weight held outside its parameters: oneDNN-packed or in quantized blocks."""
+        packed = 0 if self._packed is None else self._packed.numel() * self._packed.element_size()
+        return packed + sum(weight.nbytes for _, weight in self.quantized)
 
     def pack(self, release_weight: bool = True) -> None:
         """Re-lay the weight out for oneDNN, or finish a quantized one (CPU only; elsewhere a no-op).
