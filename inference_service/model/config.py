@@ -194,13 +194,15 @@ class ModelConfig:
             attention_bias=True if model_type == "qwen2" else bool(
                 cfg.get("use_qkv_bias" if model_type == "stablelm" else "attention_bias", default_bias)),
             use_qk_norm=model_type in ("qwen3", "gemma3_text"),
-            hidden_act=(cfg.get("hidden_activation") if is_gemma else None) or cfg.get("hidden_act", "silu"),
+            hidden_act=(cfg.get("hidden_activation") or "gelu_pytorch_tanh") if is_gemma else cfg.get("hidden_act", "silu"),
             sliding_window=window,
             layer_types=tuple(layer_types) if layer_types is not None and window is not None else None,
-            # NOTE: Gemma 3's attention ignores attn_logit_softcapping (HF passes it no softcap).
-            attn_logit_softcapping=cfg.get("attn_logit_softcapping") if model_type == "gemma2" else None,
-            final_logit_softcapping=cfg.get("final_logit_softcapping") if is_gemma else None,
-            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if is_gemma else None,
+            # NOTE: Gemma 3's attention ignores attn_logit_softcapping (HF passes it no softcap). Absent
+            # keys take HF's defaults.
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping", 50.0) if model_type == "gemma2" else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping", 30.0 if model_type == "gemma2" else None)
+            if is_gemma else None,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256) if is_gemma else None,
             partial_rotary_factor=float(_partial_rotary_factor(cfg, model_type)),
             rope_local_theta=rope_local_theta,
         )
