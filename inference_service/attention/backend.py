@@ -23,6 +23,9 @@ class AttentionBackend(Protocol):
     query head h reads kv head h // (Hq // Hkv)); k_cache and v_cache
     [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D] in q's dtype. Rows of padding tokens
     (slot -1, outside every sequence's query range) come back unspecified.
+
+    `sliding_window=W` lets query position i see keys i - W < j <= i only; `soft_cap=c` maps the
+    scaled scores s to c * tanh(s / c) before masking and softmax (Gemma 2).
     """
 
     name: str
@@ -36,6 +39,8 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor: ...
 
 

@@ -8,7 +8,11 @@ heads as G query rows. Sequences with several queries (prefill chunks) are atten
 Index tensors derived from the metadata (which slots to write, where each decode context lives) are
 built once per model step and reused by every layer.
 
-A decode-only step in float32 on the CPU is one C++ call per layer instead (`cpu_kernels`, which writes the
+A layer may attend over the last `sliding_window` keys only (Mistral, Gemma's local layers: key j is
+seen from query position i when i - window < j <= i) and soft-cap its scores (Gemma 2: s -> c tanh(s / c),
+before the mask, as HF does); such layers take the explicit-score path, others SDPA.
+
+A decode-only step in float32 on the CPU (no window, no soft cap) is one C++ call per layer instead (`cpu_kernels`, which writes the
 keys and values and attends, with the same arithmetic): at batch 1 the dozen torch ops above cost more
 than the attention itself.
 """
@@ -39,6 +43,22 @@ class _StepPlan:
     # attended in place, a view of the cache, with no gather and no mask.
     decode_span: tuple[int, int] | None
     prefill: list[tuple[int, int, int, torch.Tensor | None]]  # (row start, row end, seq_len, slots [L] or None)
+    # What the explicit decode path needs when it is not built up front (decode_span set): the decode
+    # sequences' block tables and lengths; and the padding masks with each sliding window, by window.
+    decode_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
+    window_masks: dict | None = None
+
+
+def _capped_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                              scale: float, soft_cap: float | None) -> torch.Tensor:
+    """q [B, M, D], k and v [B, L, D], additive mask broadcastable to [B, M, L] -> [B, M, D]."""
+    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)  # [B, M, L]
+    if soft_cap is not None:
+        scores = scores.div_(soft_cap).tanh_().mul_(soft_cap)
+    if mask is not None:
+        scores = scores.add_(mask)
+    return torch.bmm(scores.softmax(-1), v)
 
 
 def _context_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
@@ -73,8 +93,11 @@ class TorchPagedAttention:
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
-        if metadata.max_query_len == 1 and k_cache.dtype == torch.float32 and q.shape[0] == metadata.seq_lens.shape[0]:
+        if (metadata.max_query_len == 1 and k_cache.dtype == torch.float32 and sliding_window is None
+                and soft_cap is None and q.shape[0] == metadata.seq_lens.shape[0]):
             if not self._cpu_ops_checked:
                 self._cpu_ops, self._cpu_ops_checked = cpu_ops_for(k_cache), True
             if self._cpu_ops is not None:
@@ -93,13 +116,18 @@ class TorchPagedAttention:
 
         if not plan.prefill and plan.decode_rows is None:
             # Every row is one decode sequence: the output is the batched result itself.
-            return self._decode(q, k_cache, v_cache, plan, scale)
+            return self._decode(q, k_cache, v_cache, plan, scale, sliding_window, soft_cap)
 
         out = torch.empty_like(q)  # [T, Hq, D]
         if plan.decode_rows is not None:
             out.index_copy_(0, plan.decode_rows, self._decode(q.index_select(0, plan.decode_rows),
-                                                                k_cache, v_cache, plan, scale))
+                                                                k_cache, v_cache, plan, scale, sliding_window,
+                                                                soft_cap))
         for start, end, seq_len, slots in plan.prefill:
+            if sliding_window is not None or soft_cap is not None:
+                out[start:end] = self._prefill_explicit(q[start:end], k[start:end], v[start:end], k_flat, v_flat,
+                                                        slots, seq_len, scale, sliding_window, soft_cap)
+                continue
             if slots is None:
                 # No cached prefix: the new keys are the whole context, and the mask is plain causal.
                 ctx_k, ctx_v, causal_mask = k[start:end], v[start:end], None
@@ -124,14 +152,38 @@ class TorchPagedAttention:
     # ------------------------------------------------------------------ internals
 
     @staticmethod
-    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _StepPlan,
-                scale: float) -> torch.Tensor:
+    def _prefill_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor,
+                          v_flat: torch.Tensor, slots: torch.Tensor | None, seq_len: int, scale: float,
+                          sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
+        """One sequence's queries q [Tq, Hq, D] over its context, with a window and/or a soft cap."""
+        query_len, num_heads, head_dim = q.shape
+        ctx_k, ctx_v = (k, v) if slots is None else (k_flat.index_select(0, slots), v_flat.index_select(0, slots))
+        num_kv_heads = ctx_k.shape[1]
+        group = num_heads // num_kv_heads
+        rows = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]  # [Tq, 1] query positions
+        cols = torch.arange(seq_len, device=q.device)[None, :]  # [1, L] key positions
+        allowed = cols <= rows
+        if sliding_window is not None:
+            allowed &= rows - cols < sliding_window
+        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+        # Query heads of one kv head become G * Tq rows of it: [Hkv, G * Tq, D].
+        grouped_q = q.permute(1, 0, 2).reshape(num_kv_heads, group * query_len, head_dim)
+        mask = mask.repeat(group, 1)  # [G * Tq, L]
+        out = _capped_softmax_attention(grouped_q, ctx_k.transpose(0, 1), ctx_v.transpose(0, 1), mask, scale,
+                                        soft_cap)  # [Hkv, G * Tq, D]
+        return out.view(num_heads, query_len, head_dim).transpose(0, 1)
+
+    @classmethod
+    def _decode(cls, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _StepPlan,
+                scale: float, sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
         """q [S, Hq, D] (one query per sequence) -> [S, Hq, D]."""
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
-        if plan.decode_span is not None:
+        if plan.decode_span is not None and soft_cap is None:
             first, length = plan.decode_span
+            if sliding_window is not None and length > sliding_window:  # the window: the span's tail
+                first, length = first + length - sliding_window, sliding_window
             grouped_q = q.view(num_seqs, num_kv_heads, group, head_dim)  # [1, Hkv, G, D]
             ctx_k = k_cache.view(-1, num_kv_heads, head_dim)[first:first + length].unsqueeze(0).transpose(1, 2)
             ctx_v = v_cache.view(-1, num_kv_heads, head_dim)[first:first + length].unsqueeze(0).transpose(1, 2)
@@ -142,12 +194,36 @@ class TorchPagedAttention:
         # copy of the keys; with a single query per sequence there is nothing causal to mask. One
         # batched matmul over (sequence, kv head) pairs costs far less than SDPA's per-pair kernel here.
         batch = num_seqs * num_kv_heads
-        ctx_k = k_cache.view(-1, head_dim).index_select(0, plan.decode_gather).view(batch, -1, head_dim)
-        ctx_v = v_cache.view(-1, head_dim).index_select(0, plan.decode_gather).view(batch, -1, head_dim)
+        gather, mask = cls._decode_gather_and_mask(plan, num_kv_heads, k_cache.shape[1], q.dtype, sliding_window)
+        ctx_k = k_cache.view(-1, head_dim).index_select(0, gather).view(batch, -1, head_dim)
+        ctx_v = v_cache.view(-1, head_dim).index_select(0, gather).view(batch, -1, head_dim)
         # ctx_k, ctx_v: [S * Hkv, L, D]
         grouped_q = q.reshape(batch, group, head_dim)  # [S * Hkv, G, D]
-        scores = torch.baddbmm(plan.decode_mask, grouped_q, ctx_k.transpose(1, 2), alpha=scale)  # [S * Hkv, G, L]
+        if soft_cap is not None:
+            return _capped_softmax_attention(grouped_q, ctx_k, ctx_v, mask, scale, soft_cap).view(
+                num_seqs, num_heads, head_dim)
+        scores = torch.baddbmm(mask, grouped_q, ctx_k.transpose(1, 2), alpha=scale)  # [S * Hkv, G, L]
         return torch.bmm(scores.softmax(-1), ctx_v).view(num_seqs, num_heads, head_dim)
+
+    @staticmethod
+    def _decode_gather_and_mask(plan: _StepPlan, num_kv_heads: int, block_size: int, dtype: torch.dtype,
+                                sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gather rows, additive mask) of the decode contexts; the mask hides padding and, with a
+        window, the keys before it. Built once a step per window."""
+        if plan.decode_gather is None:  # the span path was planned; this layer needs the general one
+            plan.decode_gather, plan.decode_mask = _gather_and_mask(plan.decode_tables, plan.decode_lens,
+                                                                    num_kv_heads, block_size, dtype)
+        if sliding_window is None:
+            return plan.decode_gather, plan.decode_mask
+        if plan.window_masks is None:
+            plan.window_masks = {}
+        if sliding_window not in plan.window_masks:
+            max_len = plan.decode_mask.shape[-1]
+            lens = plan.decode_lens.long()
+            before = torch.arange(max_len, device=lens.device)[None, :] < (lens[:, None] - sliding_window)  # [S, L]
+            hidden = before[:, None, None, :].expand(-1, num_kv_heads, 1, -1).reshape(-1, 1, max_len)
+            plan.window_masks[sliding_window] = plan.decode_mask.masked_fill(hidden, float("-inf"))
+        return plan.decode_gather, plan.window_masks[sliding_window]
 
     def _get_plan(self, metadata: AttentionMetadata, k_cache: torch.Tensor) -> _StepPlan:
         key = (k_cache.shape[1:], k_cache.dtype)
@@ -200,10 +276,21 @@ class TorchPagedAttention:
                 if blocks == list(range(blocks[0], blocks[0] + num_blocks)):
                     decode_span = (blocks[0] * block_size, max_len)
             if decode_span is None:
-                slots = _context_slots(tables, lens, max_len, block_size)  # [S_dec, L], padding -> slot 0
-                heads = torch.arange(num_kv_heads, device=device)
-                decode_gather = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).view(-1)
-                padding = torch.arange(max_len, device=device)[None, :] >= lens[:, None].long()  # [S_dec, L]
-                mask = torch.zeros(padding.shape, dtype=dtype, device=device).masked_fill_(padding, float("-inf"))
-                decode_mask = mask[:, None, None, :].expand(-1, num_kv_heads, 1, -1).reshape(-1, 1, max_len)
+                decode_gather, decode_mask = _gather_and_mask(tables, lens, num_kv_heads, block_size, dtype)
+            return _StepPlan(write_slots, write_rows, decode_rows, decode_gather, decode_mask, decode_span, prefill,
+                             decode_tables=tables, decode_lens=lens)
         return _StepPlan(write_slots, write_rows, decode_rows, decode_gather, decode_mask, decode_span, prefill)
+
+
+def _gather_and_mask(tables: torch.Tensor, lens: torch.Tensor, num_kv_heads: int, block_size: int,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the cache viewed as [num_slots * Hkv, D] holding each decode context, head-major
+    ([S * Hkv * L]), and the additive padding mask [S * Hkv, 1, L]."""
+    device = tables.device
+    max_len = int(lens.max())
+    slots = _context_slots(tables, lens, max_len, block_size)  # [S_dec, L], padding -> slot 0
+    heads = torch.arange(num_kv_heads, device=device)
+    gather = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).view(-1)
+    padding = torch.arange(max_len, device=device)[None, :] >= lens[:, None].long()  # [S_dec, L]
+    mask = torch.zeros(padding.shape, dtype=dtype, device=device).masked_fill_(padding, float("-inf"))
+    return gather, mask[:, None, None, :].expand(-1, num_kv_heads, 1, -1).reshape(-1, 1, max_len)

@@ -48,6 +48,8 @@ class TritonPagedAttention:
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
         kern = self._kernels
         kern.write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale=self.k_scale,
@@ -56,7 +58,7 @@ class TritonPagedAttention:
             return kern.paged_decode_attention(
                 q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale,
                 num_kv_splits=self._num_kv_splits(metadata.num_seqs, metadata.max_seq_len, k_cache),
-                k_scale=self.k_scale, v_scale=self.v_scale,
+                k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             )  # [T, Hq, D]
         out = torch.empty_like(q)  # [T, Hq, D]; rows past query_start_loc[-1] unwritten
         num_decodes = metadata.num_decode_seqs
@@ -69,14 +71,14 @@ class TritonPagedAttention:
                 q[:num_decodes], k_cache, v_cache, metadata.block_tables[:num_decodes],
                 metadata.seq_lens[:num_decodes], scale, out=out[:num_decodes],
                 num_kv_splits=self._num_kv_splits(num_decodes, metadata.max_seq_len, k_cache),
-                k_scale=self.k_scale, v_scale=self.v_scale,
+                k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             )
         # The prefill kernel finds each sequence's query rows at its query_start_loc entry, so the
         # rest of the batch keeps its absolute row offsets into q and out.
         kern.paged_prefill_attention(
             q, k_cache, v_cache, metadata.block_tables[num_decodes:], metadata.query_start_loc[num_decodes:],
             metadata.seq_lens[num_decodes:], metadata.max_query_len, scale, out=out,
-            k_scale=self.k_scale, v_scale=self.v_scale,
+            k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         )
         return out
 

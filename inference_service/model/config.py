@@ -9,10 +9,15 @@ from inference_service.errors import UnsupportedModelError
 
 # HF architecture name -> model_type of the one decoder implementation that serves it.
 SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
+    "LlamaForCausalLM": "llama",  # Yi and other Llama-layout checkpoints too
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
+    "StableLmForCausalLM": "stablelm",
+    "Glm4ForCausalLM": "glm4",
 }
 # GGUF `general.architecture` -> (model_type, HF architecture).
 GGUF_ARCHITECTURES = {
@@ -21,7 +26,9 @@ GGUF_ARCHITECTURES = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
 }
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(slots=True)
@@ -33,6 +40,11 @@ class ModelConfig:
     `original_max_position_embeddings`, `low_freq_factor`, `beta_fast`, `attention_factor`, ...).
     `rope_freq_factors` holds llama.cpp's per-frequency divisors (GGUF `rope_freqs.weight`) when a
     GGUF carries them instead of `rope_scaling` metadata.
+
+    `layer_types` says per layer whether it attends over the last `sliding_window` tokens only
+    ("sliding_attention") or the whole context; None with a `sliding_window` = every layer slides.
+    `rms_norm_eps` is the epsilon of the model's norms, LayerNorm ones (StableLM) included.
+    `rope_local_theta`: the RoPE base of the sliding layers when it differs (Gemma 3).
     """
 
     model_type: str
@@ -53,6 +65,13 @@ class ModelConfig:
     use_qk_norm: bool = False
     hidden_act: str = "silu"
     rope_freq_factors: list[float] | None = field(default=None, repr=False)
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    partial_rotary_factor: float = 1.0
+    rope_local_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -72,8 +91,25 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.hidden_act != "silu":
-            raise UnsupportedModelError(f"unsupported hidden_act {self.hidden_act!r}; only 'silu' is supported")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise UnsupportedModelError(f"unsupported hidden_act {self.hidden_act!r}; supported: {list(HIDDEN_ACTS)}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+            raise UnsupportedModelError(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise UnsupportedModelError(
+                    f"layer_types must name {self.num_hidden_layers} layers, each one of {list(LAYER_TYPES)}; "
+                    f"got {list(self.layer_types)}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise UnsupportedModelError("layer_types has sliding_attention layers but sliding_window is not set")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise UnsupportedModelError(f"{name} must be positive, got {value!r}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or self.rotary_dim == 0:
+            raise UnsupportedModelError(
+                f"partial_rotary_factor {self.partial_rotary_factor} gives rotary dims {self.rotary_dim} of "
+                f"head_dim {self.head_dim}; they must be a positive even number")
         if not self.rms_norm_eps > 0:
             raise UnsupportedModelError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
         if self.rope_theta <= 0:
@@ -93,6 +129,19 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head RoPE rotates (HF: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`; None = it attends over the whole context."""
+        if self.sliding_window is None or self.sliding_window >= self.max_position_embeddings:
+            return None  # NOTE: a window as long as the context masks nothing
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
     # ------------------------------------------------------------------ Hugging Face config.json
 
     @classmethod
@@ -110,35 +159,52 @@ class ModelConfig:
         # only for what the text config lacks.
         cfg = {**raw, **(raw.get("text_config") or {})}
         model_type = SUPPORTED_ARCHITECTURES[architecture]
+        _refuse_unsupported_fields(cfg, architecture, model_type)
         hidden_size = cfg["hidden_size"]
         num_heads = cfg["num_attention_heads"]
-        rope_theta, rope_scaling = _hf_rope(cfg)
-        if cfg.get("mlp_bias"):
-            raise UnsupportedModelError(f"{architecture} with mlp_bias=true is not supported")
-        # NOTE: we attend over the whole context; a sliding window shorter than it would differ.
-        window = cfg.get("sliding_window")
-        uses_window = cfg.get("use_sliding_window", model_type == "mistral")
-        if uses_window and window and window < cfg.get("max_position_embeddings", 0):
-            raise UnsupportedModelError(f"{architecture} with sliding_window={window} is not supported")
+        num_layers = cfg["num_hidden_layers"]
+        rope_theta, rope_scaling, rope_local_theta = _family_rope(cfg, model_type)
+        is_gemma = model_type in ("gemma2", "gemma3_text")
+        window, layer_types = cfg.get("sliding_window"), cfg.get("layer_types")
+        if is_gemma and layer_types is None:
+            # HF's defaults: Gemma 2 alternates local/global from layer 0; Gemma 3 has 5 local, 1 global.
+            period = 2 if model_type == "gemma2" else int(cfg.get("sliding_window_pattern") or 6)
+            layer_types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(num_layers)]
+        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+            window = None  # Qwen's sliding_window applies only with use_sliding_window
+        if model_type in ("llama", "stablelm", "glm4"):
+            window = None  # not part of these architectures
+        default_bias = {"qwen2": True, "glm4": True}.get(model_type, False)
         return cls(
             model_type=model_type,
             architecture=architecture,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden_size,
             intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or hidden_size // num_heads,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("layer_norm_eps" if model_type == "stablelm" else "rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; the others say so in `attention_bias`.
-            attention_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
-            use_qk_norm=model_type == "qwen3",
-            hidden_act=cfg.get("hidden_act", "silu"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma)),
+            # Qwen2 always has q/k/v biases, StableLM says so in `use_qkv_bias`, the others in `attention_bias`.
+            attention_bias=True if model_type == "qwen2" else bool(
+                cfg.get("use_qkv_bias" if model_type == "stablelm" else "attention_bias", default_bias)),
+            use_qk_norm=model_type in ("qwen3", "gemma3_text"),
+            hidden_act=(cfg.get("hidden_activation") or "gelu_pytorch_tanh") if is_gemma else cfg.get("hidden_act", "silu"),
+            sliding_window=window,
+            layer_types=tuple(layer_types) if layer_types is not None and window is not None else None,
+            # NOTE: Gemma 3's attention ignores attn_logit_softcapping (HF passes it no softcap). Absent
+            # keys take HF's defaults.
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping", 50.0) if model_type == "gemma2" else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping", 30.0 if model_type == "gemma2" else None)
+            if is_gemma else None,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256) if is_gemma else None,
+            partial_rotary_factor=float(_partial_rotary_factor(cfg, model_type)),
+            rope_local_theta=rope_local_theta,
         )
 
     # ------------------------------------------------------------------ GGUF metadata
@@ -191,16 +257,72 @@ class ModelConfig:
         )
 
 
-def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either the new `rope_parameters` or legacy `rope_scaling`."""
+# Config fields whose truthy value asks for something the decoder does not implement, per family.
+_UNSUPPORTED_FIELDS = {
+    "stablelm": ("qk_layernorm", "use_parallel_residual"),
+    "gemma2": ("use_bidirectional_attention",),
+    "gemma3_text": ("use_bidirectional_attention",),
+}
+
+
+def _refuse_unsupported_fields(cfg: dict[str, Any], architecture: str, model_type: str) -> None:
+    for name in ("mlp_bias", *_UNSUPPORTED_FIELDS.get(model_type, ())):
+        if cfg.get(name):
+            raise UnsupportedModelError(f"{architecture} with {name}={cfg[name]!r} is not supported")
+    window = cfg.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window \
+            and window < cfg.get("max_position_embeddings", 0):
+        # NOTE: Qwen slides only in the layers from max_window_layers on; not implemented.
+        raise UnsupportedModelError(f"{architecture} with use_sliding_window (sliding_window={window}) is not supported")
+
+
+def _partial_rotary_factor(cfg: dict[str, Any], model_type: str) -> float:
+    params = cfg.get("rope_parameters") or {}
+    for source in (params, cfg):
+        if isinstance(source, dict) and source.get("partial_rotary_factor") is not None:
+            return source["partial_rotary_factor"]
+    return {"glm4": 0.5, "stablelm": 0.25}.get(model_type, 1.0)  # HF's defaults
+
+
+def _family_rope(cfg: dict[str, Any], model_type: str) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(rope_theta, rope_scaling, rope_local_theta). Gemma 3 keeps one rope per layer type: the global
+    layers' (with its scaling) and the sliding layers' plain base (`rope_local_base_freq`)."""
+    if model_type != "gemma3_text":
+        rope_theta, rope_scaling = _hf_rope(cfg, longrope_aliases=model_type == "phi3")
+        return rope_theta, rope_scaling, None
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        local_theta = local.get("rope_theta", 10_000.0)
+        if local.get("rope_type", "default") != "default":
+            raise UnsupportedModelError(f"Gemma3 sliding-layer rope_type {local['rope_type']!r} is not supported")
+        rope_theta, rope_scaling = _hf_rope({**cfg, "rope_parameters": {"rope_theta": 1_000_000.0, **full},
+                                             "rope_scaling": None})
+        return rope_theta, rope_scaling, float(local_theta)
+    rope_theta, rope_scaling = _hf_rope({**cfg, "rope_theta": cfg.get("rope_theta", 1_000_000.0)})
+    return rope_theta, rope_scaling, float(cfg.get("rope_local_base_freq", 10_000.0))
+
+
+def _hf_rope(cfg: dict[str, Any], longrope_aliases: bool = False) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either the new `rope_parameters` or legacy `rope_scaling`.
+
+    `longrope_aliases`: Phi-3 configs name LongRoPE "su" or "yarn" (HF reads both as "longrope")."""
     params = dict(cfg.get("rope_parameters") or {})
     legacy = dict(cfg.get("rope_scaling") or {})
     merged = {**params, **legacy}
+    merged.pop("partial_rotary_factor", None)  # a field of its own (`ModelConfig.partial_rotary_factor`)
     rope_theta = float(merged.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
     merged.pop("type", None)
+    if longrope_aliases and rope_type in ("su", "yarn"):
+        rope_type = "longrope"
     if rope_type == "default":
         return rope_theta, None
+    if rope_type == "longrope":
+        merged.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+        for key in ("short_factor", "long_factor", "original_max_position_embeddings"):
+            if merged.get(key) is None:
+                raise UnsupportedModelError(f"longrope rope scaling lacks {key}")
     if rope_type in ("llama3", "yarn"):
         merged.setdefault("original_max_position_embeddings",
                           cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings")))

@@ -107,7 +107,7 @@ def load_dummy_model(path: str, *, device: str | torch.device, dtype: torch.dtyp
     backend = get_attention_backend(device, attention_backend)
     model = DecoderModel(config, device=device, dtype=dtype, attention_backend=backend)
     init_dummy_weights(model, seed)
-    model._pack_linears()  # CPU only: the oneDNN layout, as after a real load
+    model.finish_loading()  # norm scales; on the CPU the oneDNN layout, as after a real load
     folder = path if os.path.isdir(path) else os.path.dirname(path)
     has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer.json"))
     tokenizer = Tokenizer.from_hf_dir(folder) if has_tokenizer else byte_tokenizer(config.vocab_size)

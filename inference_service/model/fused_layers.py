@@ -101,7 +101,8 @@ class FusedAttention(Attention):
             k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         self.rotary.apply_(q, k, positions)
         v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)  # [T, Hq, D]
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale,
+                                   sliding_window=self.sliding_window, soft_cap=self.soft_cap)  # [T, Hq, D]
         return out.reshape(num_tokens, self.q_size)
 
 

@@ -79,10 +79,26 @@ def _yarn_inv_freq(base: float, dim: int, scaling: dict, max_position_embeddings
     return inv_freq, float(attention_factor)
 
 
-def compute_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [head_dim // 2] float32, attention scaling applied to cos/sin)."""
-    base, dim, scaling = config.rope_theta, config.head_dim, config.rope_scaling
+def _longrope_inv_freq(base: float, dim: int, scaling: dict, max_position_embeddings: int,
+                       long: bool) -> tuple[torch.Tensor, float]:
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext_factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+    inv_freq_shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext_factors * base ** inv_freq_shape), float(attention_factor)
+
+
+def compute_inv_freq(config: ModelConfig, long: bool = False) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rotary_dim // 2] float32, attention scaling applied to cos/sin).
+
+    `long`: LongRoPE's long-context factors instead of its short ones (other types have one set)."""
+    base, dim, scaling = config.rope_theta, config.rotary_dim, config.rope_scaling
     rope_type = scaling["rope_type"] if scaling else "default"
+    if rope_type == "longrope":
+        return _longrope_inv_freq(base, dim, scaling, config.max_position_embeddings, long)
     if rope_type == "default":
         inv_freq, attention_factor = _default_inv_freq(base, dim), 1.0
     elif rope_type == "linear":
@@ -105,33 +121,54 @@ class RotaryEmbedding:
     The rotation is Hugging Face's "rotate half" form: x * cos + rotate_half(x) * sin, where
     rotate_half(x) = cat(-x2, x1). We store sin with the sign folded in (`[-sin, sin]`), so the rotation
     is a roll by half the head plus two multiplies and an add, with the same rounding as HF's.
+
+    Partial rotary (`config.rotary_dim` < head_dim: Phi-4-mini, StableLM, GLM-4) rotates the leading
+    rotary_dim dims of each head and passes the rest through. LongRoPE keeps a second table of its
+    long factors; `lookup(..., use_long=)` picks per token, as HF picks per forward by the sequence's
+    length: a sequence whose context exceeds `original_max_position_embeddings` reads the long one.
     """
 
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-        inv_freq, attention_factor = compute_inv_freq(config)
-        self.head_dim = config.head_dim
+        self.head_dim, self.rotary_dim = config.head_dim, config.rotary_dim
         self.max_positions = config.max_position_embeddings
+        self.cos, self.sin_signed = self._tables(*compute_inv_freq(config), device, dtype)  # [P, R] each
+        self.long_tables = None
+        self.original_max_positions = None
+        if config.rope_scaling and config.rope_scaling["rope_type"] == "longrope":
+            self.long_tables = self._tables(*compute_inv_freq(config, long=True), device, dtype)
+            self.original_max_positions = int(config.rope_scaling["original_max_position_embeddings"])
+        # NOTE: the C++ rotary takes whole heads; partial rotary rotates a strided slice in torch.
+        self._cpu_ops = cpu_ops_for(self.cos) if self.rotary_dim == self.head_dim else None
+
+    def _tables(self, inv_freq: torch.Tensor, attention_factor: float, device, dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(self.max_positions, dtype=torch.int64).float()
-        freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        freqs = positions[:, None] * inv_freq[None, :]  # [P, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, R]
         cos = emb.cos() * attention_factor
         sin = emb.sin() * attention_factor
-        half = self.head_dim // 2
+        half = self.rotary_dim // 2
         sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        self.cos = cos.to(device=device, dtype=dtype)  # [P, D]
-        self.sin_signed = sin_signed.to(device=device, dtype=dtype)  # [P, D]
-        self._cpu_ops = cpu_ops_for(self.cos)
+        return cos.to(device=device, dtype=dtype), sin_signed.to(device=device, dtype=dtype)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin for `positions` [T] -> each [T, 1, D], broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor, use_long: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin for `positions` [T] -> each [T, 1, R], broadcast over heads. `use_long` [T]
+        bool picks LongRoPE's long table for those tokens (ignored without one)."""
+        cos, sin = self.cos[positions], self.sin_signed[positions]
+        if self.long_tables is not None and use_long is not None:
+            pick = use_long[:, None]
+            cos = torch.where(pick, self.long_tables[0][positions], cos)
+            sin = torch.where(pick, self.long_tables[1][positions], sin)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
     def apply_(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, H, D] in place (x may be a view into a larger buffer) and return it."""
         if self._cpu_ops is not None:  # one call, the same arithmetic
             self._cpu_ops.rotary_(x, cos, sin_signed)
             return x
-        rotated = torch.roll(x, shifts=self.head_dim // 2, dims=-1)  # [T, H, D] = cat(x2, x1)
+        part = x[..., :self.rotary_dim] if self.rotary_dim < self.head_dim else x  # [T, H, R]
+        rotated = torch.roll(part, shifts=self.rotary_dim // 2, dims=-1)  # [T, H, R] = cat(x2, x1)
         rotated.mul_(sin_signed)
-        x.mul_(cos).add_(rotated)
+        part.mul_(cos).add_(rotated)
         return x

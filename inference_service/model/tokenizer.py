@@ -1,8 +1,9 @@
 """`Tokenizer`: a `tokenizers` backend plus the special-token facts and chat template around it.
 
 Built either from a Hugging Face folder (`tokenizer.json`, `tokenizer_config.json`, ...) or from a
-GGUF file's `tokenizer.ggml.*` metadata, in which case the byte-level BPE tokenizer is reconstructed
-the way transformers does it for the same file.
+GGUF file's `tokenizer.ggml.*` metadata, in which case the tokenizer — byte-level BPE (`gpt2`) or
+SentencePiece BPE with byte fallback (`llama`) — is reconstructed the way transformers does it for the
+same file.
 """
 
 from __future__ import annotations
@@ -165,11 +166,14 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
-        """Rebuild the byte-level BPE tokenizer described by `tokenizer.ggml.*` metadata."""
+        """Rebuild the tokenizer described by `tokenizer.ggml.*` metadata."""
         kind = meta.get("tokenizer.ggml.model")
+        if kind == "llama":
+            return cls._from_gguf_sentencepiece(meta)
         if kind != "gpt2":
             raise UnsupportedModelError(
-                f"unsupported GGUF tokenizer model {kind!r}; only byte-level BPE ('gpt2') is supported")
+                f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE), "
+                f"'llama' (SentencePiece)")
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
         token_types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
         alphabet = set(_BYTE_ENCODER.values())
@@ -211,6 +215,45 @@ class Tokenizer:
                    chat_template=meta.get("tokenizer.chat_template"), extra_eos_token_ids=extra_eos)
 
     @classmethod
+    def _from_gguf_sentencepiece(cls, meta: dict[str, Any]) -> Tokenizer:
+        """SentencePiece as a BPE with byte fallback (`<0x41>` pieces for bytes outside the
+        vocabulary), "▁" for spaces and one prepended to the text, as transformers' LlamaTokenizer
+        builds it from a GGUF: merges from the file, or derived from the vocabulary and its scores."""
+        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        token_types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        vocab = {token: i for i, token in enumerate(tokens)}
+        if meta.get("tokenizer.ggml.merges"):
+            merges = [tuple(merge.split(" ")) for merge in meta["tokenizer.ggml.merges"]]
+        else:
+            scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+            merges = _merges_from_scores(vocab, dict(zip(tokens, scores)))
+        backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+        backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                             decoders.Strip(content=" ", left=1)])
+
+        def token_at(key: str) -> str | None:
+            index = meta.get(f"tokenizer.ggml.{key}")
+            return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+        named = {name: token_at(key) for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"),
+                                                        ("unk", "unknown_token_id"), ("pad", "padding_token_id"))}
+        specials = [tok for tok, kind in zip(tokens, token_types) if kind == _CONTROL]
+        specials += [tok for tok in named.values() if tok is not None and tok not in specials]
+        backend.add_special_tokens([AddedToken(tok, normalized=False, special=True) for tok in specials])
+        user_defined = [tok for tok, kind in zip(tokens, token_types) if kind == _USER_DEFINED]
+        if user_defined:
+            backend.add_tokens([AddedToken(tok, normalized=False, special=False) for tok in user_defined])
+        extra_eos = tuple(meta[f"tokenizer.ggml.{key}"] for key in ("eot_token_id", "eom_token_id")
+                          if meta.get(f"tokenizer.ggml.{key}") is not None)
+        # NOTE: llama.cpp (and transformers) add BOS to a SentencePiece vocabulary unless told not to.
+        return cls(backend, bos_token=named["bos"], eos_token=named["eos"], pad_token=named["pad"],
+                   unk_token=named["unk"], add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
+                   add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+                   chat_template=meta.get("tokenizer.chat_template"), extra_eos_token_ids=extra_eos,
+                   byte_level=False)
+
+    @classmethod
     def from_hf_dir(cls, path: str) -> Tokenizer:
         """Load `tokenizer.json` with `tokenizer_config.json`, chat template files, and the eos ids of
         `generation_config.json` / `config.json`."""
@@ -243,6 +286,18 @@ class Tokenizer:
                    add_eos_token=bool(config.get("add_eos_token", False)),
                    chat_template=_hf_chat_template(path, config), extra_eos_token_ids=tuple(extra_eos),
                    byte_level=byte_level)
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges a SentencePiece vocabulary implies: every split of a piece into two pieces, best
+    score first (transformers' `generate_merges` with scores)."""
+    merges = []
+    for piece, score in scores.items():
+        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
 
 
 def _read_json(path: str) -> dict:

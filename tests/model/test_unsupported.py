@@ -51,15 +51,66 @@ def test_missing_weight_is_named(tmp_path):
         load_model(path)
 
 
-def test_sliding_window_and_bad_activation_refused():
+def test_bad_activation_and_rope_refused():
     base = {"architectures": ["MistralForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
             "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 32768}
-    with pytest.raises(UnsupportedModelError, match="sliding_window"):
-        ModelConfig.from_hf_dict({**base, "sliding_window": 4096})
+    assert ModelConfig.from_hf_dict({**base, "sliding_window": 4096}).layer_window(0) == 4096
     with pytest.raises(UnsupportedModelError, match="gelu"):
         ModelConfig.from_hf_dict({**base, "sliding_window": None, "hidden_act": "gelu"})
-    with pytest.raises(UnsupportedModelError, match="longrope"):
-        ModelConfig.from_hf_dict({**base, "sliding_window": None, "rope_scaling": {"type": "longrope", "factor": 2}})
+    with pytest.raises(UnsupportedModelError, match="'dynamic'"):
+        ModelConfig.from_hf_dict({**base, "sliding_window": None, "rope_scaling": {"type": "dynamic", "factor": 2}})
+    with pytest.raises(UnsupportedModelError, match="short_factor"):
+        ModelConfig.from_hf_dict({**base, "architectures": ["Phi3ForCausalLM"],
+                                  "rope_scaling": {"type": "su", "long_factor": [1.0] * 2},
+                                  "original_max_position_embeddings": 4096})
+
+
+_FAMILY_BASE = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+                "num_attention_heads": 2, "max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize(("architecture", "field", "value"), [
+    ("StableLmForCausalLM", "qk_layernorm", True),
+    ("StableLmForCausalLM", "use_parallel_residual", True),
+    ("Gemma2ForCausalLM", "use_bidirectional_attention", True),
+    ("Gemma3ForCausalLM", "use_bidirectional_attention", True),
+    ("Qwen2ForCausalLM", "use_sliding_window", True),
+    ("LlamaForCausalLM", "mlp_bias", True),
+])
+def test_unsupported_family_field_is_named(architecture, field, value):
+    raw = {**_FAMILY_BASE, "architectures": [architecture], "sliding_window": 16, field: value}
+    with pytest.raises(UnsupportedModelError, match=f"{architecture}.*{field}"):
+        ModelConfig.from_hf_dict(raw)
+
+
+def test_fused_gpu_path_refuses_what_it_lacks_by_name():
+    """On the fused (CUDA) layers, Gemma's (1 + w) norms, post-norms and GeGLU are refused by name
+    rather than computed wrong; Mistral's window is served there (the attention kernels take it)."""
+    from inference_service.model.decoder import DecoderModel
+    from inference_service.model.family import FamilySpec
+
+    gemma = ModelConfig.from_hf_dict({**_FAMILY_BASE, "architectures": ["Gemma2ForCausalLM"], "head_dim": 4,
+                                      "sliding_window": 16})
+    with pytest.raises(UnsupportedModelError, match=r"Gemma2ForCausalLM needs .*\(1 \+ weight\) RMSNorm.*"
+                                                    r"post-attention / post-MLP norms.*gelu_pytorch_tanh"):
+        DecoderModel(gemma, fused_kernels=True)
+    phi = ModelConfig.from_hf_dict({**_FAMILY_BASE, "architectures": ["Phi3ForCausalLM"],
+                                    "partial_rotary_factor": 0.5})
+    assert FamilySpec.from_config(phi).fused_path_gaps(phi) == ["partial rotary"]
+    mistral = ModelConfig.from_hf_dict({**_FAMILY_BASE, "architectures": ["MistralForCausalLM"],
+                                        "sliding_window": 16})
+    assert FamilySpec.from_config(mistral).fused_path_gaps(mistral) == []
+
+
+def test_gemma_layer_patterns_default_as_hf():
+    gemma2 = ModelConfig.from_hf_dict({**_FAMILY_BASE, "architectures": ["Gemma2ForCausalLM"], "head_dim": 4,
+                                       "num_hidden_layers": 4, "sliding_window": 16})
+    assert [gemma2.layer_window(i) for i in range(4)] == [16, None, 16, None]
+    gemma3 = ModelConfig.from_hf_dict({**_FAMILY_BASE, "architectures": ["Gemma3ForCausalLM"], "head_dim": 4,
+                                       "num_hidden_layers": 7, "sliding_window": 16, "rope_theta": 1e6,
+                                       "rope_local_base_freq": 1e4})
+    assert [gemma3.layer_window(i) for i in range(7)] == [16] * 5 + [None, 16]
+    assert (gemma3.rope_theta, gemma3.rope_local_theta, gemma3.tie_word_embeddings) == (1e6, 1e4, True)
 
 
 def _write_gguf(path: str, arch: str, tensor_type) -> None:

@@ -29,7 +29,8 @@ def write_byte_tokenizer(path: str) -> None:
 
 
 def make_hf_model(family: str, seed: int = 0, **overrides):
-    """A random HF model of `family` (qwen2, qwen3, llama, mistral) with non-trivial weights everywhere."""
+    """A random HF model of `family` (qwen2, qwen3, llama, mistral, gemma2, gemma3, phi3, stablelm, glm4)
+    with non-trivial weights everywhere."""
     import transformers
 
     classes = {
@@ -37,18 +38,28 @@ def make_hf_model(family: str, seed: int = 0, **overrides):
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "stablelm": (transformers.StableLmConfig, transformers.StableLmForCausalLM),
+        "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM),
     }
     config_cls, model_cls = classes[family]
-    extra = {"head_dim": 16} if family in ("qwen3", "mistral") else {}
+    extra = {"head_dim": 16} if family in ("qwen3", "mistral", "gemma2", "gemma3", "glm4") else {}
     if family == "mistral":
         extra["sliding_window"] = None
+    if family in ("gemma2", "gemma3", "phi3", "stablelm", "glm4"):
+        extra.update(pad_token_id=0, bos_token_id=256, eos_token_id=257)
+    if family == "stablelm":
+        extra["layer_norm_eps"] = 1e-5
     config = config_cls(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+                # Gemma's norms scale by (1 + weight): near 0 there is near 1 here.
+                param.copy_((0.0 if family.startswith("gemma") else 1.0) + 0.2 * torch.randn_like(param))
             else:
                 # Larger than HF's init so logits are well separated and greedy choices are stable.
                 param.copy_(0.15 * torch.randn_like(param))
