@@ -12,7 +12,8 @@ A layer may attend over the last `sliding_window` keys only (Mistral, Gemma's lo
 seen from query position i when i - window < j <= i) and soft-cap its scores (Gemma 2: s -> c tanh(s / c),
 before the mask, as HF does); such layers take the explicit-score path, others SDPA.
 
-A decode-only step in float32 on the CPU (no window, no soft cap) is one C++ call per layer instead (`cpu_kernels`, which writes the
+A decode-only step in float32 on the CPU (no window, no soft cap) is one C++ call per layer instead
+(`cpu_kernels`, which writes the
 keys and values and attends, with the same arithmetic): at batch 1 the dozen torch ops above cost more
 than the attention itself.
 """

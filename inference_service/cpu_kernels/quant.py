@@ -14,6 +14,7 @@ returns None where that fails (the caller then keeps weights dequantized).
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import os
 import threading
@@ -27,7 +28,17 @@ logger = logging.getLogger(__name__)
 BLOCK_SIZE = 32
 _SOURCES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
             for name in ("quant_matmul.cpp", "norm_rope.cpp", "decode_attention.cpp", "bindings.cpp")]
-_EXTENSION_NAME = "inference_service_cpu_quant"
+_CFLAGS = ["-O3", "-fopenmp"]
+
+
+def _extension_name() -> str:
+    """The module's name carries a digest of its sources and flags, so checkouts with different sources
+    (or an upgrade) never load or overwrite each other's build in torch's shared extension cache."""
+    digest = hashlib.sha256(" ".join(_CFLAGS).encode())
+    for path in [*_SOURCES, os.path.join(os.path.dirname(_SOURCES[0]), "ops.h")]:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return f"inference_service_cpu_kernels_{digest.hexdigest()[:16]}"
 
 
 class QuantType(enum.IntEnum):
@@ -61,8 +72,8 @@ def load_extension():
             try:
                 from torch.utils import cpp_extension
 
-                _extension = cpp_extension.load(name=_EXTENSION_NAME, sources=_SOURCES,
-                                                extra_cflags=["-O3", "-fopenmp"], verbose=False)
+                _extension = cpp_extension.load(name=_extension_name(), sources=_SOURCES, extra_cflags=_CFLAGS,
+                                                verbose=False)
             except Exception as exc:  # no compiler, no headers: serve dequantized instead
                 logger.warning("cannot build the CPU quantized-matmul extension (%s); GGUF weights will be "
                                "dequantized at load", exc)
