@@ -7,7 +7,7 @@
 
 #include "ops.h"
 
-#include <ATen/Parallel.h>
+#include "worker_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -66,14 +66,16 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t max_blocks = block_tables.size(1), table_stride = block_tables.stride(0);
   const int64_t group = num_heads / num_kv_heads;
+  for (int64_t s = 0; s < num_seqs; ++s) {  // checked here: the pool's tasks must not throw
+    TORCH_CHECK(lens[s] > 0 && (lens[s] + block_size - 1) / block_size <= max_blocks, "bad seq_len ", lens[s]);
+  }
   torch::Tensor out = torch::empty({num_seqs, num_heads, head_dim}, q.options());
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t first, int64_t last) {
+  WorkerPool::instance().run(0, num_seqs * num_kv_heads, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores;
     for (int64_t pair = first; pair < last; ++pair) {
       const int64_t s = pair / num_kv_heads, h = pair % num_kv_heads, len = lens[s];
-      TORCH_CHECK(len > 0 && (len + block_size - 1) / block_size <= max_blocks, "bad seq_len ", len);
       scores.assign(group * len, 0.f);
       const float* qs = qp + s * q.stride(0) + h * group * q.stride(1);
       for (int64_t t = 0; t < len; ++t) {

@@ -7,7 +7,7 @@
 
 #include "ops.h"
 
-#include <ATen/Parallel.h>
+#include "worker_pool.h"
 
 #include <cmath>
 #include <vector>
@@ -30,7 +30,7 @@ torch::Tensor add_rms_norm(torch::Tensor& hidden, const std::optional<torch::Ten
   float* hp = hidden.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, num_tokens, 64, [&](int64_t first, int64_t last) {
+  WorkerPool::instance().run(0, num_tokens, 64, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       float* h = hp + t * dim;
       if (dp) {
@@ -59,7 +59,7 @@ void rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& si
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin_signed.data_ptr<float>();
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
-  at::parallel_for(0, num_tokens, 64, [&](int64_t first, int64_t last) {
+  WorkerPool::instance().run(0, num_tokens, 64, [&](int64_t first, int64_t last) {
     std::vector<float> rolled(head_dim);
     for (int64_t t = first; t < last; ++t) {
       const float* c = cp + t * head_dim;

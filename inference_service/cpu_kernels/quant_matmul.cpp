@@ -15,7 +15,7 @@
 
 #include "ops.h"
 
-#include <ATen/Parallel.h>
+#include "worker_pool.h"
 #include <c10/util/Half.h>
 
 #include <immintrin.h>
@@ -31,6 +31,7 @@ enum QType : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
 constexpr int64_t kBlock = 32;
 // Activation rows handled together: each dequantized block is reused this many times from registers.
 constexpr int64_t kRowTile = 4;
+constexpr int64_t kRowTileAvx512 = 8;
 
 int64_t quant_bytes_per_block(int64_t qtype) { return qtype == kQ8_0 ? 32 : 16; }
 
@@ -224,9 +225,12 @@ AVX512_FN void matmul_tile_avx512(int64_t qtype, const float* x, int64_t x_strid
   const int64_t qb = quant_bytes_per_block(qtype);
   int64_t r = first;
   for (; r + 1 < last; r += 2) {
-    // Two accumulators per (weight row, activation row): the halves of a block are separate chains.
-    __m512 acc0[NR][2], acc1[NR][2];
-    for (int n = 0; n < NR; ++n) acc0[n][0] = acc0[n][1] = acc1[n][0] = acc1[n][1] = _mm512_setzero_ps();
+    // With few activation rows, two accumulators per (weight row, activation row), so the halves of a
+    // block are separate chains; with many, one each (they are chains enough, and must fit 32 registers).
+    constexpr int NA = NR <= 2 ? 2 : 1;
+    __m512 acc0[NR][NA], acc1[NR][NA];
+    for (int n = 0; n < NR; ++n)
+      for (int a = 0; a < NA; ++a) acc0[n][a] = acc1[n][a] = _mm512_setzero_ps();
     const uint8_t* q0 = qs + r * num_blocks * qb;
     const uint8_t* q1 = q0 + num_blocks * qb;
     const uint16_t* d0 = scales + r * num_blocks;
@@ -239,14 +243,14 @@ AVX512_FN void matmul_tile_avx512(int64_t qtype, const float* x, int64_t x_strid
         const float* xb = x + n * x_stride + b * kBlock;
         for (int i = 0; i < 2; ++i) {
           const __m512 xv = _mm512_loadu_ps(xb + 16 * i);
-          acc0[n][i] = _mm512_fmadd_ps(w0[i], xv, acc0[n][i]);
-          acc1[n][i] = _mm512_fmadd_ps(w1[i], xv, acc1[n][i]);
+          acc0[n][i % NA] = _mm512_fmadd_ps(w0[i], xv, acc0[n][i % NA]);
+          acc1[n][i % NA] = _mm512_fmadd_ps(w1[i], xv, acc1[n][i % NA]);
         }
       }
     }
     for (int n = 0; n < NR; ++n) {
-      out[n * out_stride + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[n][0], acc0[n][1]));
-      out[n * out_stride + r + 1] = _mm512_reduce_add_ps(_mm512_add_ps(acc1[n][0], acc1[n][1]));
+      out[n * out_stride + r] = _mm512_reduce_add_ps(NA == 2 ? _mm512_add_ps(acc0[n][0], acc0[n][NA - 1]) : acc0[n][0]);
+      out[n * out_stride + r + 1] = _mm512_reduce_add_ps(NA == 2 ? _mm512_add_ps(acc1[n][0], acc1[n][NA - 1]) : acc1[n][0]);
     }
   }
   for (; r < last; ++r) {
@@ -268,15 +272,23 @@ AVX512_FN void matmul_tile_avx512(int64_t qtype, const float* x, int64_t x_strid
 AVX512_FN void matmul_rows_avx512(int64_t qtype, const float* x, int64_t x_stride, int64_t num_rows,
                                   const uint8_t* qs, const uint16_t* scales, const uint16_t* mins, int64_t num_blocks,
                                   float* out, int64_t out_stride, int64_t first, int64_t last) {
-  for (int64_t n = 0; n < num_rows; n += kRowTile) {
+  // 32 registers hold the accumulators of 8 activation rows x 2 weight rows: each dequantized block
+  // is reused 8 times.
+  for (int64_t n = 0; n < num_rows; n += kRowTileAvx512) {
     const float* xn = x + n * x_stride;
     float* on = out + n * out_stride;
-    switch (std::min<int64_t>(kRowTile, num_rows - n)) {
-      case 1: matmul_tile_avx512<1>(qtype, xn, x_stride, qs, scales, mins, num_blocks, on, out_stride, first, last); break;
-      case 2: matmul_tile_avx512<2>(qtype, xn, x_stride, qs, scales, mins, num_blocks, on, out_stride, first, last); break;
-      case 3: matmul_tile_avx512<3>(qtype, xn, x_stride, qs, scales, mins, num_blocks, on, out_stride, first, last); break;
-      default: matmul_tile_avx512<4>(qtype, xn, x_stride, qs, scales, mins, num_blocks, on, out_stride, first, last);
+#define TILE(NR) matmul_tile_avx512<NR>(qtype, xn, x_stride, qs, scales, mins, num_blocks, on, out_stride, first, last)
+    switch (std::min<int64_t>(kRowTileAvx512, num_rows - n)) {
+      case 1: TILE(1); break;
+      case 2: TILE(2); break;
+      case 3: TILE(3); break;
+      case 4: TILE(4); break;
+      case 5: TILE(5); break;
+      case 6: TILE(6); break;
+      case 7: TILE(7); break;
+      default: TILE(8);
     }
+#undef TILE
   }
 }
 
@@ -343,7 +355,7 @@ void quant_matmul(const torch::Tensor& x, const torch::Tensor& qs, const torch::
   const Isa isa = active_isa();
   // Grain: enough weight rows that a task streams ~64 KiB of quants, and an even count (rows go in pairs).
   const int64_t grain = std::max<int64_t>(2, (65536 / std::max<int64_t>(1, num_blocks * quant_bytes_per_block(qtype))) & ~1);
-  at::parallel_for(0, num_weight_rows, grain, [&](int64_t first, int64_t last) {
+  WorkerPool::instance().run(0, num_weight_rows, grain, [&](int64_t first, int64_t last) {
     switch (isa) {
       case Isa::kAvx512:
         matmul_rows_avx512(qtype, xp, x_stride, num_rows, qp, dp, mp, num_blocks, op, out_stride, first, last);
@@ -377,7 +389,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& qs, const torch::Tensor& scal
   const uint16_t* mp = qtype == kQ4_1 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
   float* op = out.data_ptr<float>();
   const Isa isa = active_isa();
-  at::parallel_for(0, num_out, 16, [&](int64_t first, int64_t last) {
+  WorkerPool::instance().run(0, num_out, 16, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const int64_t r = ip ? ip[i] : i;
       const uint8_t* q = qp + r * num_blocks * qb;

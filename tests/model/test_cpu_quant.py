@@ -149,3 +149,27 @@ def test_packed_model_generates_what_the_dequantized_model_does(smollm, smollm_d
     logits = PagedHarness(smollm.model).step([long_prompt], [0], [[]])
     reference = PagedHarness(smollm_dequantized.model).step([long_prompt], [0], [[]])
     torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-3)
+
+
+def test_concurrent_callers_get_their_own_results():
+    """The kernels' worker pool serves several calling threads (the engine loop, an embedding thread)."""
+    import threading
+
+    rng = np.random.default_rng()
+    weight = QuantizedWeight.from_gguf_blocks(random_blocks(QuantType.Q4_1, 300, 256, rng), QuantType.Q4_1)
+    inputs = [torch.randn(1 + i % 5, 256) for i in range(8)]
+    expected = [quant_matmul_ref(x, weight) for x in inputs]
+    results: dict[int, torch.Tensor] = {}
+
+    def call(i: int) -> None:
+        for _ in range(20):
+            results[i] = quant_matmul(inputs[i], weight)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    for i, x in enumerate(inputs):
+        torch.testing.assert_close(results[i].double(), expected[i], rtol=1e-5, atol=1e-5)
