@@ -63,3 +63,15 @@ def test_enable_thinking_false_answers_in_content(thinking_sdk):
                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}},
                                          **GREEDY).choices[0]
     assert (choice.message.reasoning_content, choice.message.content, choice.finish_reason) == (None, expected, reason)
+
+
+def test_a_chat_template_that_is_missing_or_does_not_compile_refuses_to_start(tmp_path):
+    from inference_service.config import EngineConfig
+    from inference_service.model.chat_template import load_chat_template
+
+    with pytest.raises(ValueError, match="--chat-template: no such file"):
+        EngineConfig(chat_template=str(tmp_path / "missing.jinja"))
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    with pytest.raises(ValueError, match=f"--chat-template {bad}: the model's chat template does not compile"):
+        load_chat_template(str(bad))
