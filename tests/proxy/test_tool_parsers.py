@@ -251,8 +251,8 @@ CODER_CASES = [
      [("get_weather", '{"city": "Paris", "days": 3}')]),
     (_coder(_param("city", 'New "York"\n  </para> <b>') + _param("scale", "1.5") + _param("metric", "True")
             + _param("opts", '{"a": [1, null]}') + _param("tags", "['x', 'y']") + _param("note", "null")),
-     None, [("get_weather", '{"city": "New \\"York\\"\\n  </para> <b>", "scale": 1.5, "metric": true, '
-                             '"opts": {"a": [1, null]}, "tags": ["x", "y"], "note": "null"}')]),
+     None, [("get_weather", ('{"city": "New \\"York\\"\\n  </para> <b>", "scale": 1.5, "metric": true, '
+                              '"opts": {"a": [1, null]}, "tags": ["x", "y"], "note": "null"}'))]),
     (_coder(_param("days", "three")) + "\n" + _coder("", name="noop"), None,
      [("get_weather", '{"days": "three"}'), ("noop", "{}")]),
     (_coder(_param("unknown", "42")), None, [("get_weather", '{"unknown": "42"}')]),  # untyped: raw text
