@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before the previous one's tokens reach the host, so scheduling and "
                         "output processing overlap the GPU (default: on with CUDA, off on the CPU)")
+    m.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template replacing the model's own (as vLLM's --chat-template)")
     m.add_argument("--max-model-len", type=int, default=None, help="context length; default: the model's")
     m.add_argument("--yarn-scaling-factor", type=float, default=None,
                    help="turn on YaRN rope scaling with this factor (extends the context by that much)")
@@ -107,6 +109,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         enforce_eager=args.enforce_eager,
         max_cuda_graph_batch_size=args.max_cuda_graph_batch_size,
         async_scheduling=args.async_scheduling,
+        chat_template=args.chat_template,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_mib=args.kv_cache_memory_mib,

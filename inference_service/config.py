@@ -73,6 +73,7 @@ class EngineConfig:
     # Schedule and launch step N+1 before waiting for step N; None = on for CUDA, off on the CPU
     # (where the model runs in the calling thread, so nothing would overlap).
     async_scheduling: bool | None = None
+    chat_template: str | None = None  # a Jinja file replacing the model's own chat template
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -93,6 +94,8 @@ class EngineConfig:
             raise ValueError("--load-format dummy needs --model naming a folder with a config.json")
         if self.max_cuda_graph_batch_size < 1:
             raise ValueError(f"--max-cuda-graph-batch-size must be >= 1, got {self.max_cuda_graph_batch_size}")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"--chat-template: no such file {self.chat_template!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"--attention-backend must be auto, torch or triton, got {self.attention_backend!r}")
 

@@ -47,6 +47,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
     mcp = McpManager(config.mcp_servers, metrics=metrics, ping_interval=config.mcp_ping_interval,
                      max_backoff=config.mcp_max_backoff) if config.mcp_servers else None
     chat = ChatService(router, metrics=metrics, mcp=mcp, tool_parser=config.tool_parser,
+                       reasoning_parser=config.reasoning_parser,
                        mcp_execute=config.mcp_execute, max_mcp_rounds=config.max_mcp_rounds)
     completions = CompletionService(router, metrics=metrics)
     responses = ResponsesService(chat, ResponseStore(config.responses_store_size, config.responses_store_ttl),

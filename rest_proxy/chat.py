@@ -20,10 +20,12 @@ from rest_proxy.engine_client import EngineClient, EngineRouter
 from rest_proxy.errors import ProxyError, invalid_request
 from rest_proxy.metrics import ProxyMetrics
 from rest_proxy.protocol import ChatCompletionRequest, ChatMessageParam, FunctionCallParam, ToolCallParam
+from rest_proxy.reasoning import (PromptState, ReasoningFormat, ReasoningParser, answer_after_thinking, get_format,
+                                  prompt_state, select_format, text_state)
 from rest_proxy.schemas import check_json_schema, strict_schema
 from rest_proxy.tool_parsers import ToolParser, get_parser, select_parser
 from rest_proxy.translate import (add_usage, chat_input, chat_logprobs, check_wire_safe, finish_reason,
-                                  format_field, map_format_error, sampling_params, stopping_criteria,
+                                  format_field, map_format_error, message_text, sampling_params, stopping_criteria,
                                   system_fingerprint, template_renders_tools, usage_dict)
 
 log = logging.getLogger(__name__)
@@ -47,17 +49,20 @@ class ChatPlan:
     prefill: str | None = None
     execute_mcp: bool = False
     top_logprobs: int = 0
+    reasoning: ReasoningFormat | None = None  # the model's thinking format (None: it does not think)
+    reasoning_prompt: PromptState = PromptState.UNKNOWN  # where the generation prompt leaves the thinking
     request_id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
 class ChatService:
     def __init__(self, router: EngineRouter, *, metrics: ProxyMetrics, mcp=None, tool_parser: str | None = None,
-                 mcp_execute: bool = True, max_mcp_rounds: int = 5):
+                 reasoning_parser: str | None = None, mcp_execute: bool = True, max_mcp_rounds: int = 5):
         self.router = router
         self.metrics = metrics
         self.mcp = mcp
         self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
         self.mcp_execute = mcp_execute
         self.max_mcp_rounds = max(1, max_mcp_rounds)
 
@@ -66,6 +71,12 @@ class ChatService:
             return get_parser(self.tool_parser)
         info = client.info
         return select_parser(info.family if info else "", info.chat_template if info else "")
+
+    def reasoning_for(self, client: EngineClient) -> ReasoningFormat | None:
+        """The model's reasoning format: `--reasoning-parser`, else the one its chat template implies."""
+        if self.reasoning_parser is not None:
+            return get_format(self.reasoning_parser)
+        return select_format(client.info.chat_template if client.info else "")
 
     async def plan(self, req: ChatCompletionRequest) -> ChatPlan:
         client = await self.router.resolve(req.model)
@@ -101,7 +112,25 @@ class ChatService:
                         format_param=format_field(req))
         if forced is not None and active and not req.continue_final_message:
             plan.prefill = plan.parser.call_prefix(forced or None)
+        plan.parser.set_tools(tools if active else [])
+        plan.reasoning = self.reasoning_for(client)
+        if plan.reasoning is not None and info is not None:
+            plan.reasoning_prompt = prompt_state(
+                info.chat_template, req.chat_template_kwargs,
+                {"bos_token": info.special_tokens.bos_token, "eos_token": info.special_tokens.eos_token})
         return plan
+
+    @staticmethod
+    def _reasoning_parser(plan: ChatPlan, first_round: bool) -> ReasoningParser | None:
+        """The thinking parser of a round's output, or None where it holds no thinking: a forced call's
+        prefill puts the output past it; a continued final message says itself where it stands."""
+        if plan.reasoning is None:
+            return None
+        if first_round and plan.prefill is not None:
+            return None
+        if first_round and plan.req.continue_final_message:
+            return plan.reasoning.parser(text_state(message_text(plan.messages[-1], len(plan.messages) - 1) or ""))
+        return plan.reasoning.parser(plan.reasoning_prompt)
 
     def _start(self, plan: ChatPlan, messages: list[ChatMessageParam], offer_tools: bool,
                first_round: bool) -> pb.StartGeneration:
@@ -170,11 +199,18 @@ class ChatService:
             offer_tools = plan.tools is not None and not (plan.execute_mcp and last)
             parser = plan.parser if offer_tools else None
             first = round_no == 0
+            start = self._start(plan, messages, offer_tools, first)
+            reasoning = self._reasoning_parser(plan, first)
+            if reasoning is not None and start.sampling.HasField("structured_output") \
+                    and not answer_after_thinking(start.sampling.structured_output, reasoning):
+                reasoning = None  # a grammar of the client's that holds from the first token: no thinking
             states = [ChoiceState(parser, prefix=(plan.prefill or "") if first else "",
                                   parallel=plan.req.parallel_tool_calls,
-                                  forced=plan.forced if first and parser else None)
+                                  forced=plan.forced if first and parser else None,
+                                  reasoning=reasoning.fresh() if reasoning is not None else None,
+                                  include_reasoning=plan.req.include_reasoning,
+                                  has_reasoning_field=plan.reasoning is not None)
                       for _ in range(plan.req.n)]
-            start = self._start(plan, messages, offer_tools, first)
             async with aclosing(self._generate(plan, start)) as responses:
                 async for resp in responses:
                     if resp.index >= len(states):
@@ -234,7 +270,7 @@ class ChatService:
         return [assistant, *results]
 
     async def complete(self, plan: ChatPlan) -> dict:
-        states: dict[int, ChoiceState] = {i: ChoiceState(None) for i in range(plan.req.n)}
+        states = {i: ChoiceState(None, has_reasoning_field=plan.reasoning is not None) for i in range(plan.req.n)}
         reasons: dict[int, str] = {}
         usage = None
         # NOTE: re-assemble from the deltas so the answer is by construction the stream's sum.
@@ -302,6 +338,8 @@ def _accumulate(state: ChoiceState, deltas: list[dict], lps: list[dict] | None) 
     for d in deltas:
         if "content" in d:
             state.content.append(d["content"])
+        if "reasoning_content" in d:
+            state.reasoning.append(d["reasoning_content"])
         if "refusal" in d:
             state.refusal = d["refusal"]
         for tc in d.get("tool_calls", []):

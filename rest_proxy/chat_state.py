@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rest_proxy.reasoning import ReasoningParser
 from rest_proxy.tool_parsers import ArgumentsDelta, CallStart, ContentDelta, ToolCallExtractor, ToolParser
 
 
@@ -10,14 +11,22 @@ class ChoiceState:
 
     The non-streaming message is exactly the sum of the deltas, so both modes agree by construction.
     With a forced call (`tool_choice` required or named) nothing but the call is shown; output that
-    does not parse as one becomes a `refusal` saying so.
+    does not parse as one becomes a `refusal` saying so. With a `reasoning` parser the thinking goes to
+    `reasoning_content` (and vLLM's newer `reasoning`) deltas, shown only with `include_reasoning`, and only
+    the answer after it reaches the tool-call extractor. `has_reasoning_field`: the message carries those
+    fields (null when empty) because the model is a thinking one.
     """
 
     def __init__(self, parser: ToolParser | None, *, prefix: str = "", parallel: bool = True,
-                 forced: str | None = None):
+                 forced: str | None = None, reasoning: ReasoningParser | None = None,
+                 include_reasoning: bool = True, has_reasoning_field: bool = False):
         self.extractor = ToolCallExtractor(parser, prefix) if parser is not None else None
         self.parallel = parallel
         self.forced = forced
+        self.reasoning_parser = reasoning
+        self.include_reasoning = include_reasoning
+        self.has_reasoning_field = has_reasoning_field or reasoning is not None
+        self.reasoning: list[str] = []
         self.content: list[str] = []
         self.calls: list[dict] = []
         self.logprobs: list[dict] = []
@@ -26,13 +35,20 @@ class ChoiceState:
         self.started = False
 
     def feed(self, text: str, *, final: bool = False) -> list[dict]:
+        out: list[dict] = []
+        if self.reasoning_parser is not None:
+            thought, text = self.reasoning_parser.finish() if final else self.reasoning_parser.feed(text)
+            if thought and self.include_reasoning:
+                self.reasoning.append(thought)
+                out.append({"reasoning_content": thought, "reasoning": thought})
         if self.extractor is None:
             if text:
                 self.content.append(text)
-                return [{"content": text}]
-            return []
-        deltas = self.extractor.finish() if final else self.extractor.feed(text)
-        out: list[dict] = []
+                out.append({"content": text})
+            return out
+        deltas = self.extractor.feed(text) if text or not final else []
+        if final:
+            deltas += self.extractor.finish()
         for d in deltas:
             if isinstance(d, ContentDelta):
                 if self.forced is None:
@@ -65,8 +81,11 @@ class ChoiceState:
 
     def message(self) -> dict:
         text = self.text
-        msg: dict = {"role": "assistant", "content": None if (self.calls and not text) else text,
+        msg: dict = {"role": "assistant", "content": None if ((self.calls or self.reasoning) and not text) else text,
                      "refusal": self.refusal}
+        if self.has_reasoning_field:
+            thought = "".join(self.reasoning) or None
+            msg["reasoning_content"] = msg["reasoning"] = thought
         if self.refusal is not None and not text:
             msg["content"] = None
         if self.calls:

@@ -8,6 +8,9 @@ import os
 import sys
 
 from rest_proxy.mcp_config import McpConfigError, load_mcp_config
+from rest_proxy.reasoning import ALIASES as REASONING_ALIASES
+from rest_proxy.reasoning import FORMATS as REASONING_FORMATS
+from rest_proxy.reasoning import NONE as NO_REASONING
 from rest_proxy.tool_parsers import ALIASES, PARSERS
 
 API_KEY_ENV = "REST_PROXY_API_KEY"
@@ -34,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-parser", default=None,
                        choices=sorted(PARSERS) + sorted(ALIASES),
                        help="tool-call format (default: from the model's chat template and family)")
+    serve.add_argument("--reasoning-parser", default=None,
+                       choices=sorted(REASONING_FORMATS) + sorted(REASONING_ALIASES) + [NO_REASONING],
+                       help="split <think>...</think> into reasoning_content (default: from the model's chat "
+                            "template: one that mentions <think> or enable_thinking; none: never)")
     serve.add_argument("--request-timeout", type=float, default=None,
                        help="deadline in seconds for each engine call (exceeded: 504)")
     serve.add_argument("--max-body-size", type=float, default=8.0, metavar="MiB",
@@ -80,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = ProxyConfig(engines=args.engine or ["localhost:50051"],
                              api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                             tool_parser=args.tool_parser, mcp_servers=mcp_servers, mcp_execute=args.mcp_execute,
+                             tool_parser=args.tool_parser, reasoning_parser=args.reasoning_parser,
+                             mcp_servers=mcp_servers, mcp_execute=args.mcp_execute,
                              max_mcp_rounds=args.max_mcp_rounds, request_timeout=args.request_timeout,
                              max_body_bytes=int(args.max_body_size * 2**20), header_timeout=args.header_timeout,
                              body_timeout=args.body_timeout,

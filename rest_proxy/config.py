@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from rest_proxy.mcp_config import McpServerConfig
+from rest_proxy.reasoning import get_format
 from rest_proxy.tool_parsers import get_parser
 
 
@@ -14,6 +15,7 @@ class ProxyConfig:
     engines: list[str]
     api_key: str | None = None
     tool_parser: str | None = None  # None: chosen from each model's family and chat template
+    reasoning_parser: str | None = None  # None: chosen from each model's chat template; "none": never parse
     mcp_servers: dict[str, McpServerConfig] = field(default_factory=dict)
     mcp_execute: bool = True
     max_mcp_rounds: int = 5
@@ -41,6 +43,8 @@ class ProxyConfig:
             raise ValueError("at least one --engine target is required")
         if self.tool_parser is not None:
             get_parser(self.tool_parser)  # an unknown name refuses to start
+        if self.reasoning_parser is not None:
+            get_format(self.reasoning_parser)
         if self.max_mcp_rounds < 1:
             raise ValueError("max_mcp_rounds must be >= 1")
         if self.request_timeout is not None and self.request_timeout <= 0:

@@ -135,6 +135,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves a thinking model's reasoning out of the answer
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -18,6 +18,7 @@ from inference_service.engine.scheduler import Scheduler, SchedulerOutput
 from inference_service.engine.sequence import FinishReason, Sequence
 from inference_service.engine.structured_output import GrammarCompiler
 from inference_service.errors import InvalidRequestError
+from inference_service.model.chat_template import load_chat_template
 from inference_service.metrics import EngineMetrics
 from inference_service.model.loader import LoadedModel, load_model
 
@@ -75,6 +76,8 @@ class LLMEngine:
             quantized_weights=not config.dequantize,
         )
         self.tokenizer = self.loaded.tokenizer
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = load_chat_template(config.chat_template)
         model_len = self.loaded.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         self.model_runner = ModelRunner(self.loaded, config, self.device, self.dtype, self.max_model_len)

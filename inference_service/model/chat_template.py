@@ -57,6 +57,17 @@ def compile_template(source: str) -> jinja2.Template:
         raise InvalidRequestError(f"the model's chat template does not compile: {exc}", field="chat") from exc
 
 
+def load_chat_template(path: str) -> str:
+    """A chat template from a file (`--chat-template`), checked to compile; ValueError says why not."""
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    try:
+        compile_template(source)
+    except InvalidRequestError as exc:
+        raise ValueError(f"--chat-template {path}: {exc}") from None
+    return source
+
+
 def validate_messages(messages: Any) -> None:
     """Raise `InvalidRequestError` naming the field (`chat.messages[1].role`) for malformed messages.
 

@@ -10,13 +10,15 @@ from rest_proxy.tool_parsers.hermes import HermesToolParser
 from rest_proxy.tool_parsers.llama3_json import Llama3JsonToolParser
 from rest_proxy.tool_parsers.mistral import MistralToolParser
 from rest_proxy.tool_parsers.pythonic import PythonicToolParser
+from rest_proxy.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 PARSERS: dict[str, type[ToolParser]] = {
     cls.name: cls for cls in (HermesToolParser, MistralToolParser, Llama3JsonToolParser,
-                              FunctionTagToolParser, PythonicToolParser, GenericJsonToolParser)
+                              FunctionTagToolParser, PythonicToolParser, GenericJsonToolParser, Qwen3CoderToolParser)
 }
 ALIASES = {"qwen": "hermes", "qwen2": "hermes", "qwen3": "hermes", "llama3": "llama3_json",
-           "llama": "llama3_json", "generic": "json"}
+           "llama": "llama3_json", "generic": "json",
+           "qwen_coder": "qwen3_coder", "qwen3_xml": "qwen3_coder"}
 
 
 def get_parser(name: str) -> ToolParser:
@@ -35,6 +37,8 @@ def select_parser(family: str, chat_template: str) -> ToolParser:
     and ChatML models are trained on Hermes-style `<tool_call>` blocks.
     """
     template = chat_template or ""
+    if "<parameter=" in template:  # Qwen3-Coder: `<function=NAME>` holding one `<parameter=ARG>` per argument
+        return Qwen3CoderToolParser()
     if "<tool_call>" in template or "<|im_start|>" in template:
         return HermesToolParser()
     if "[TOOL_CALLS]" in template or family in ("mistral", "mixtral"):

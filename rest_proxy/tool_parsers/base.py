@@ -132,6 +132,10 @@ class ToolParser(ABC):
                  for i, (_, params) in enumerate(tools)]
         return "\n".join([f"start: {' '.join(body)}", *rules])
 
+    def set_tools(self, tools: list[dict]) -> None:
+        """The tools (OpenAI tool objects) of this request, for formats whose calls need their schemas to be
+        read (Qwen3-Coder's untyped values); the others ignore them."""
+
     def text_regexes(self) -> tuple[str, str] | None:
         """(text that opens no call, text that may come before a call's `call_prefix`) as llguidance Lark
         terminal bodies, for `text_or_calls_grammar`; None where this format cannot say."""
@@ -182,20 +186,20 @@ def marker_region(text: str, markers: tuple[str, ...]) -> Region:
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")  # the regex syntax's own (its `\<` is a word boundary), and Lark's `/`
 
 
-def _regex_literal(text: str) -> str:
+def regex_literal(text: str) -> str:
     return "".join(f"\\{c}" if c in _REGEX_META else c for c in text)
 
 
 def marker_text(markers: tuple[str, ...]) -> tuple[str, str]:
     """`text_regexes` of formats introduced by a marker anywhere: any text without the markers."""
-    free = "/(?s:.*)/ & ~/(?s:.*)(" + "|".join(_regex_literal(m) for m in markers) + ")(?s:.*)/"
+    free = "/(?s:.*)/ & ~/(?s:.*)(" + "|".join(regex_literal(m) for m in markers) + ")(?s:.*)/"
     return free, "TEXT"
 
 
 def leading_text(openers: str, prefixes: tuple[str, ...] = ()) -> tuple[str, str]:
     """`text_regexes` of formats whose calls make up the whole output: text not starting (after whitespace)
     with an opener or a prefix; only whitespace before a call."""
-    starts = [_regex_literal(c) for c in openers] + [_regex_literal(p) for p in prefixes]
+    starts = [regex_literal(c) for c in openers] + [regex_literal(p) for p in prefixes]
     return f"/(?s:.*)/ & ~/[ \\t\\r\\n]*({'|'.join(starts)})(?s:.*)/", "/[ \\t\\r\\n]*/"
 
 

@@ -61,13 +61,13 @@ def start_proxy():
 
 
 # -- the real engine with the embedded SmolLM2, shared by every module that needs it ---------------------
-@pytest.fixture(scope="session")
-def real_engine(tmp_path_factory):
+def launch_engine(log_dir, *args: str):
+    """Start the real engine (the embedded SmolLM2) with extra flags; yields its target once SERVING."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("engine") / "engine.log"
+    log_path = log_dir / "engine.log"
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "inference_service.cli", "serve", "--host", "127.0.0.1",
-                             "--port", str(port), "--max-waiting-requests", "2"],
+                             "--port", str(port), "--max-waiting-requests", "2", *args],
                             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     target = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -91,6 +91,11 @@ def real_engine(tmp_path_factory):
         proc.wait(30)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="session")
+def real_engine(tmp_path_factory):
+    yield from launch_engine(tmp_path_factory.mktemp("engine"))
 
 
 @pytest.fixture(scope="session")

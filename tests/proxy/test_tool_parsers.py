@@ -227,3 +227,102 @@ def test_text_or_calls_grammar_takes_any_text_or_valid_calls(name, byte_tokenize
 
 def test_pythonic_has_no_text_or_calls_grammar():
     assert get_parser("pythonic").text_or_calls_grammar([("get_weather", None)], parallel=True) is None
+
+
+# -- Qwen3-Coder: values typed from the tool's schema ---------------------------------------------------------------
+CODER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "scale": {"type": "number"}, "metric": {"type": "boolean"},
+                                     "opts": {"type": "object"}, "tags": {"type": "array"},
+                                     "note": {"type": ["string", "null"]}},
+    "required": ["city"]}}}]
+
+
+def _coder(params: str, name: str = "get_weather") -> str:
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def _param(key: str, value: str) -> str:
+    return f"<parameter={key}>\n{value}\n</parameter>\n"
+
+
+CODER_CASES = [
+    ("Let me check.\n" + _coder(_param("city", "Paris") + _param("days", "3")), "Let me check.",
+     [("get_weather", '{"city": "Paris", "days": 3}')]),
+    (_coder(_param("city", 'New "York"\n  </para> <b>') + _param("scale", "1.5") + _param("metric", "True")
+            + _param("opts", '{"a": [1, null]}') + _param("tags", "['x', 'y']") + _param("note", "null")),
+     None, [("get_weather", ('{"city": "New \\"York\\"\\n  </para> <b>", "scale": 1.5, "metric": true, '
+                              '"opts": {"a": [1, null]}, "tags": ["x", "y"], "note": "null"}'))]),
+    (_coder(_param("days", "three")) + "\n" + _coder("", name="noop"), None,
+     [("get_weather", '{"days": "three"}'), ("noop", "{}")]),
+    (_coder(_param("unknown", "42")), None, [("get_weather", '{"unknown": "42"}')]),  # untyped: raw text
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRo", None, [("get_weather", '{"city": "Ro"}')]),
+    ("Use <function is not a call", "Use <function is not a call", []),
+]
+
+
+def run_coder(chunks: list[str]):
+    parser = get_parser("qwen3_coder")
+    parser.set_tools(CODER_TOOLS)
+    ex = ToolCallExtractor(parser)
+    deltas = [d for chunk in chunks for d in ex.feed(chunk)] + ex.finish()
+    content = "".join(d.text for d in deltas if isinstance(d, ContentDelta)) or None
+    calls = [[d.name, ""] for d in deltas if isinstance(d, CallStart)]
+    for d in deltas:
+        if isinstance(d, ArgumentsDelta):
+            assert d.text
+            calls[d.index][1] += d.text
+    return content, [tuple(c) for c in calls]
+
+
+@pytest.mark.parametrize("case", range(len(CODER_CASES)))
+def test_qwen3_coder_typed_arguments_under_every_chunking(case):
+    text, content, calls = CODER_CASES[case]
+    assert run_coder([text]) == (content, calls)
+    for chunks in chunkings(text, seed=case):
+        assert run_coder(chunks) == (content, calls), chunks
+    for i in range(len(text) + 1):
+        assert run_coder([text[:i], text[i:]]) == (content, calls)
+
+
+def test_qwen3_coder_streams_string_values_and_typed_values_whole():
+    parser = get_parser("qwen3_coder")
+    parser.set_tools(CODER_TOOLS)
+    ex = ToolCallExtractor(parser)
+    text = _coder(_param("city", "Rio de Janeiro") + _param("days", "12"))
+    fragments = [d.text for c in text for d in ex.feed(c) if isinstance(d, ArgumentsDelta)]
+    assert fragments[:3] == ["{", '"city": "', "R"] and ', "days": 12' in fragments and fragments[-1] == "}"
+    assert "".join(fragments) == '{"city": "Rio de Janeiro", "days": 12}'
+
+
+def test_qwen3_coder_renders_history_that_parses_back():
+    parser = get_parser("qwen3_coder")
+    calls = [("get_weather", '{"city": "Paris", "days": 2, "opts": {"a": 1}}'), ("noop", "{}")]
+    text = parser.render_calls(calls)
+    assert text.startswith("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n")
+    assert run_coder([text]) == (None, calls)
+    assert select_parser("qwen3", "{{ '<tool_call>\\n<function=' }}{{ '<parameter=' }}").name == "qwen3_coder"
+    assert get_parser("qwen_coder").name == "qwen3_coder"
+
+
+def test_qwen3_coder_grammars(byte_tokenizer):
+    parser = get_parser("qwen3_coder")
+    weather = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+               "required": ["city"]}
+    tools = [("get_weather", weather), ("get_time", TIME_ARGS)]
+    named = parser.calls_grammar([("get_weather", weather)], named=True, parallel=True)
+    prefix = parser.call_prefix("get_weather")
+    ok = parser.render_calls([("get_weather", '{"city": "Paris </para>", "days": 3}')])
+    assert _accepts(byte_tokenizer, named, ok[len(prefix):])
+    assert _accepts(byte_tokenizer, named, parser.render_calls([("get_weather", '{"city": "Oslo"}')])[len(prefix):])
+    for bad in ('{"days": 3}', '{"city": "Paris", "days": "x"}', '{"city": "a </parameter> b"}'):
+        assert not _accepts(byte_tokenizer, named, parser.render_calls([("get_weather", bad)])[len(prefix):]), bad
+    two = parser.render_calls([("get_weather", '{"city": "Oslo"}'), ("get_time", '{"zone": "UTC"}')])
+    required = parser.calls_grammar(tools, named=False, parallel=True)
+    assert _accepts(byte_tokenizer, required, two[len(parser.call_prefix(None)):])
+    single = parser.calls_grammar(tools, named=False, parallel=False)
+    assert not _accepts(byte_tokenizer, single, two[len(parser.call_prefix(None)):])
+    auto = parser.text_or_calls_grammar(tools, parallel=True)
+    assert _accepts(byte_tokenizer, auto, "Plain text, no call.")
+    assert _accepts(byte_tokenizer, auto, "Checking.\n" + two)
+    assert not _accepts(byte_tokenizer, auto, parser.render_calls([("get_time", '{"zone": "PST"}')]))
