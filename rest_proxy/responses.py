@@ -33,14 +33,10 @@ log = logging.getLogger(__name__)
 
 
 def split_reasoning(delta: dict) -> tuple[str, dict]:
-    """SEAM (issue 21, reasoning output): the thinking a chat delta carries, and the answer part of it.
-
-    There is no reasoning parser in the chat path yet, so there is no thinking: all of it is answer. Once
-    `rest_proxy/reasoning.py` splits the model's text and chat deltas carry the thinking, return that text
-    here: the builder then writes it as a `reasoning` output item (`response.reasoning_text.delta` events)
-    ahead of the answer's message.
-    """
-    return "", delta
+    """The thinking a chat delta carries (`reasoning_content`, from the chat path's reasoning parser), and
+    the rest of it: the builder writes the thinking as a `reasoning` output item ahead of the answer."""
+    reasoning = delta.get("reasoning_content") or ""
+    return reasoning, {k: v for k, v in delta.items() if k not in ("reasoning_content", "reasoning")}
 
 
 @dataclass

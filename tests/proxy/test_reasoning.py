@@ -234,3 +234,16 @@ def test_reasoning_parser_none_passes_the_text_through(thinking_engine, start_pr
     sdk = OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=30)
     msg = _ask(sdk, "q").choices[0].message
     assert msg.content == SCRIPTED and "reasoning_content" not in (msg.model_extra or {})
+
+
+def test_responses_api_gives_the_thinking_as_a_reasoning_item(sdk, thinking_engine):
+    thinking_engine.engine.script["q"] = SCRIPTED
+    response = sdk.responses.create(model="thinker", input="q")
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output[0].content[0].text == THOUGHT
+    assert response.output_text == "It is 4."
+    with sdk.responses.stream(model="thinker", input="q") as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
+    assert final.output[0].content[0].text == THOUGHT and final.output_text == "It is 4."
