@@ -21,8 +21,9 @@ from inference_service.cpu_kernels.quant import QuantizedWeight, dequantize_rows
 
 # Packing is tuned for a batch of this many rows; other batch sizes still run, a little slower.
 _PACK_BATCH_HINT = 16
-# Above this many input rows a quantized layer expands its weight and runs one dense matmul.
-MAX_QUANTIZED_MATMUL_ROWS = 32
+# Above this many input rows a quantized layer expands its weight and runs one dense matmul: about where
+# the two cost the same for the embedded model on a 2-core CPU (bench/results/cpu-2026-11-25/README.md).
+MAX_QUANTIZED_MATMUL_ROWS = 48
 
 
 def can_pack(weight: torch.Tensor) -> bool:
