@@ -3,6 +3,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul, "out[N, R] = x[N, K] @ dequant(W)[R, K]^T");
+  m.def("quant_matmul_new", &quant_matmul_new, "x[N, K] @ dequant(W)[R, K]^T as a new [N, R] tensor");
   m.def("dequantize_rows", &dequantize_rows, "dequant(W)[rows] as float32");
   m.def("instruction_set", &instruction_set, "the SIMD path in use on this CPU");
   m.def("limit_instruction_set", &limit_instruction_set, "cap the SIMD path (for tests and comparisons)");

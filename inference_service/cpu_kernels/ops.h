@@ -9,6 +9,8 @@
 // quant_matmul.cpp: GGUF Q4_0 / Q4_1 / Q8_0 weights executed in their blocks.
 void quant_matmul(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& scales,
                   const torch::Tensor& mins, int64_t qtype, torch::Tensor& out);
+torch::Tensor quant_matmul_new(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& scales,
+                               const torch::Tensor& mins, int64_t qtype);
 torch::Tensor dequantize_rows(const torch::Tensor& qs, const torch::Tensor& scales, const torch::Tensor& mins,
                               int64_t qtype, const torch::Tensor& rows);
 std::string instruction_set();

@@ -146,11 +146,11 @@ def quant_matmul(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor | N
     """x [N, K] float32 (rows contiguous) @ dequant(weight)[R, K]^T -> out [N, R] float32.
 
     `out` may be a column slice of a wider tensor (its rows contiguous)."""
-    ext = load_extension()
+    ext = _extension or load_extension()
     if ext is None:
         raise RuntimeError("the CPU quantized-matmul extension is not available")
     if out is None:
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+        return ext.quant_matmul_new(x, weight.qs, weight.scales, weight.mins, int(weight.qtype))
     ext.quant_matmul(x, weight.qs, weight.scales, weight.mins, int(weight.qtype), out)
     return out
 

@@ -369,6 +369,13 @@ void quant_matmul(const torch::Tensor& x, const torch::Tensor& qs, const torch::
   });
 }
 
+torch::Tensor quant_matmul_new(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& scales,
+                               const torch::Tensor& mins, int64_t qtype) {
+  torch::Tensor out = torch::empty({x.size(0), qs.size(0)}, x.options());
+  quant_matmul(x, qs, scales, mins, qtype, out);
+  return out;
+}
+
 // Rows `rows` of the weight dequantized to float32 [len(rows), K] (all rows when `rows` is empty).
 torch::Tensor dequantize_rows(const torch::Tensor& qs, const torch::Tensor& scales, const torch::Tensor& mins,
                               int64_t qtype, const torch::Tensor& rows) {

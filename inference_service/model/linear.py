@@ -109,9 +109,12 @@ class Linear(nn.Module):
         if x.shape[0] > MAX_QUANTIZED_MATMUL_ROWS:
             weight = torch.cat([dequantize_rows(part) for _, part in self.quantized])  # [out, in]
             return F.linear(x, weight, self.bias)
-        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)  # [N, out]
-        for first, weight in self.quantized:
-            quant_matmul(x, weight, out[:, first:first + weight.shape[0]])
+        if len(self.quantized) == 1:  # the usual case, kept short: a decode step makes ~150 of these calls
+            out = quant_matmul(x, self.quantized[0][1])  # [N, out]
+        else:
+            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)  # [N, out]
+            for first, weight in self.quantized:
+                quant_matmul(x, weight, out[:, first:first + weight.shape[0]])
         if self.bias is not None:
             out += self.bias
         return out
