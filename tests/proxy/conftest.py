@@ -12,6 +12,7 @@ from openai import OpenAI
 
 from rest_proxy.config import ProxyConfig
 from tests.proxy.fake_engine import FakeEngineServer, free_port
+from tests.proxy.grammars import byte_tokenizer_in
 from tests.proxy.servers import ProxyServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -115,3 +116,9 @@ def model(sdk) -> str:
     models = sdk.models.list().data
     assert len(models) == 1
     return models[0].id
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer(tmp_path_factory):
+    """llguidance's tokenizer over a byte-level vocabulary: any text is some token sequence."""
+    return byte_tokenizer_in(str(tmp_path_factory.mktemp("bytes")))

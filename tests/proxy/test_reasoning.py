@@ -14,6 +14,7 @@ from rest_proxy.reasoning import (PromptState, ReasoningParser, answer_after_thi
                                   select_format)
 from tests.proxy.fake_engine import FakeEngine, FakeEngineServer
 from tests.proxy.servers import ProxyServer
+from tests.proxy.grammars import accepts
 
 # ChatML whose generation prompt opens the thinking, or closes an empty one with enable_thinking=false (as
 # Qwen3's does): the model's continuation starts inside the thinking.
@@ -93,25 +94,6 @@ def test_prompt_state_follows_the_generation_prompt_and_enable_thinking():
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def byte_tokenizer(tmp_path_factory):
-    from llguidance import LLTokenizer
-
-    from tests.model.tiny_models import write_byte_tokenizer
-
-    path = tmp_path_factory.mktemp("bytes")
-    write_byte_tokenizer(str(path))
-    return LLTokenizer((path / "tokenizer.json").read_text())
-
-
-def _accepts(tokenizer, grammar: str, text: str) -> bool:
-    from llguidance import LLMatcher
-
-    matcher = LLMatcher(tokenizer, grammar, log_level=0)
-    assert not matcher.is_error(), matcher.get_error()
-    return matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
-
-
 @pytest.mark.parametrize("fmt", [pb.StructuredOutput(json_schema=json.dumps(SCHEMA)),
                                  pb.StructuredOutput(regex='\\{"a": [0-9]+\\}'),
                                  pb.StructuredOutput(lark_grammar='start: "{\\"a\\": " /[0-9]+/ "}"')])
@@ -120,14 +102,14 @@ def test_format_holds_after_the_thinking(fmt, byte_tokenizer):
     assert answer_after_thinking(opened, ReasoningParser(is_open=True))
     assert answer_after_thinking(unopened, ReasoningParser(is_open=False))
     grammar = opened.lark_grammar
-    assert _accepts(byte_tokenizer, grammar, 'Say {"a": 1} or so.\n</think>\n\n{"a": 12}')
-    assert not _accepts(byte_tokenizer, grammar, '{"a": 12}')  # the prompt opened the thinking: it must close
-    assert not _accepts(byte_tokenizer, grammar, 'Hmm.</think>{"a": "x"}')
-    assert not _accepts(byte_tokenizer, grammar, 'Hmm.</think>{"a": 1} and more')
+    assert accepts(byte_tokenizer, grammar, 'Say {"a": 1} or so.\n</think>\n\n{"a": 12}')
+    assert not accepts(byte_tokenizer, grammar, '{"a": 12}')  # the prompt opened the thinking: it must close
+    assert not accepts(byte_tokenizer, grammar, 'Hmm.</think>{"a": "x"}')
+    assert not accepts(byte_tokenizer, grammar, 'Hmm.</think>{"a": 1} and more')
     grammar = unopened.lark_grammar
-    assert _accepts(byte_tokenizer, grammar, '{"a": 3}')
-    assert _accepts(byte_tokenizer, grammar, '<think>\nok\n</think>\n{"a": 3}')
-    assert not _accepts(byte_tokenizer, grammar, 'ok</think>{"a": 3}')
+    assert accepts(byte_tokenizer, grammar, '{"a": 3}')
+    assert accepts(byte_tokenizer, grammar, '<think>\nok\n</think>\n{"a": 3}')
+    assert not accepts(byte_tokenizer, grammar, 'ok</think>{"a": 3}')
 
 
 def test_a_grammar_whose_start_cannot_be_renamed_is_left_alone():

@@ -8,6 +8,7 @@ import pytest
 
 from rest_proxy.tool_parsers import (ArgumentsDelta, CallStart, ContentDelta, ToolCallExtractor, get_parser,
                                      select_parser)
+from tests.proxy.grammars import accepts
 
 W = '{"city": "Paris", "unit": "c"}'
 CASES = {
@@ -148,26 +149,6 @@ TIME_ARGS = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
 JSON_FORMATS = ["hermes", "mistral", "llama3_json", "function_tag", "json"]
 
 
-@pytest.fixture(scope="module")
-def byte_tokenizer(tmp_path_factory):
-    """llguidance's tokenizer over a byte-level vocabulary: any text is some token sequence."""
-    from llguidance import LLTokenizer
-
-    from tests.model.tiny_models import write_byte_tokenizer
-
-    path = tmp_path_factory.mktemp("bytes")
-    write_byte_tokenizer(str(path))
-    return LLTokenizer((path / "tokenizer.json").read_text())
-
-
-def _accepts(tokenizer, grammar: str, text: str) -> bool:
-    from llguidance import LLMatcher
-
-    matcher = LLMatcher(tokenizer, grammar, log_level=0)
-    assert not matcher.is_error(), matcher.get_error()
-    return matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
-
-
 @pytest.mark.parametrize("name", JSON_FORMATS)
 def test_named_call_grammar_takes_valid_arguments_and_the_closing_markup(name, byte_tokenizer):
     parser = get_parser(name)
@@ -177,10 +158,10 @@ def test_named_call_grammar_takes_valid_arguments_and_the_closing_markup(name, b
     def rest(args: str) -> str:
         return parser.render_calls([("get_weather", args)])[len(prefix):]
 
-    assert _accepts(byte_tokenizer, grammar, rest('{"city": "Paris"}'))
-    assert not _accepts(byte_tokenizer, grammar, rest('{"city": 3}'))
-    assert not _accepts(byte_tokenizer, grammar, rest('{"city": "Paris", "days": 2}'))
-    assert not _accepts(byte_tokenizer, grammar, rest('{"city": "Paris"}') + rest('{"city": "Rome"}'))
+    assert accepts(byte_tokenizer, grammar, rest('{"city": "Paris"}'))
+    assert not accepts(byte_tokenizer, grammar, rest('{"city": 3}'))
+    assert not accepts(byte_tokenizer, grammar, rest('{"city": "Paris", "days": 2}'))
+    assert not accepts(byte_tokenizer, grammar, rest('{"city": "Paris"}') + rest('{"city": "Rome"}'))
 
 
 @pytest.mark.parametrize("name", ["hermes", "mistral", "llama3_json", "function_tag"])
@@ -192,10 +173,10 @@ def test_required_call_grammar_takes_any_tool_and_parallel_calls(name, byte_toke
     two = parser.render_calls([("get_weather", '{"city": "Oslo"}'), ("get_time", '{"zone": "UTC"}')])[len(prefix):]
     parallel = parser.calls_grammar(tools, named=False, parallel=True)
     single = parser.calls_grammar(tools, named=False, parallel=False)
-    assert _accepts(byte_tokenizer, parallel, one) and _accepts(byte_tokenizer, parallel, two)
-    assert _accepts(byte_tokenizer, single, one) and not _accepts(byte_tokenizer, single, two)
+    assert accepts(byte_tokenizer, parallel, one) and accepts(byte_tokenizer, parallel, two)
+    assert accepts(byte_tokenizer, single, one) and not accepts(byte_tokenizer, single, two)
     bad = parser.render_calls([("get_time", '{"zone": "PST"}')])[len(prefix):]
-    assert not _accepts(byte_tokenizer, parallel, bad)
+    assert not accepts(byte_tokenizer, parallel, bad)
 
 
 def test_formats_without_json_arguments_get_no_grammar():
@@ -213,16 +194,16 @@ def test_text_or_calls_grammar_takes_any_text_or_valid_calls(name, byte_tokenize
     call = parser.render_calls([("get_weather", '{"city": "Paris"}')])
     for text in ("", "Hello there.", "Use <tool or [TOOL or {x}", "Line one.\nLine two."):
         if not (leading and text.lstrip().startswith("{")):
-            assert _accepts(byte_tokenizer, grammar, text), text
-    assert _accepts(byte_tokenizer, grammar, ("  " if leading else "Let me check. ") + call)
-    assert not _accepts(byte_tokenizer, grammar, parser.render_calls([("get_weather", '{"city": "Paris", "x": 1}')]))
-    assert not _accepts(byte_tokenizer, grammar, parser.render_calls([("get_weather", '{"city":"Paris"}')]))
-    assert not _accepts(byte_tokenizer, grammar, parser.render_calls([("invented", '{"city": "Paris"}')]))
-    assert not _accepts(byte_tokenizer, grammar, call + " and more text")
+            assert accepts(byte_tokenizer, grammar, text), text
+    assert accepts(byte_tokenizer, grammar, ("  " if leading else "Let me check. ") + call)
+    assert not accepts(byte_tokenizer, grammar, parser.render_calls([("get_weather", '{"city": "Paris", "x": 1}')]))
+    assert not accepts(byte_tokenizer, grammar, parser.render_calls([("get_weather", '{"city":"Paris"}')]))
+    assert not accepts(byte_tokenizer, grammar, parser.render_calls([("invented", '{"city": "Paris"}')]))
+    assert not accepts(byte_tokenizer, grammar, call + " and more text")
     two = parser.render_calls([("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "UTC"}')])
-    assert _accepts(byte_tokenizer, grammar, two) == (name != "json")  # a list of calls is not one call repeated
+    assert accepts(byte_tokenizer, grammar, two) == (name != "json")  # a list of calls is not one call repeated
     single = parser.text_or_calls_grammar(tools, parallel=False)
-    assert _accepts(byte_tokenizer, single, call) and not _accepts(byte_tokenizer, single, two)
+    assert accepts(byte_tokenizer, single, call) and not accepts(byte_tokenizer, single, two)
 
 
 def test_pythonic_has_no_text_or_calls_grammar():
@@ -313,16 +294,16 @@ def test_qwen3_coder_grammars(byte_tokenizer):
     named = parser.calls_grammar([("get_weather", weather)], named=True, parallel=True)
     prefix = parser.call_prefix("get_weather")
     ok = parser.render_calls([("get_weather", '{"city": "Paris </para>", "days": 3}')])
-    assert _accepts(byte_tokenizer, named, ok[len(prefix):])
-    assert _accepts(byte_tokenizer, named, parser.render_calls([("get_weather", '{"city": "Oslo"}')])[len(prefix):])
+    assert accepts(byte_tokenizer, named, ok[len(prefix):])
+    assert accepts(byte_tokenizer, named, parser.render_calls([("get_weather", '{"city": "Oslo"}')])[len(prefix):])
     for bad in ('{"days": 3}', '{"city": "Paris", "days": "x"}', '{"city": "a </parameter> b"}'):
-        assert not _accepts(byte_tokenizer, named, parser.render_calls([("get_weather", bad)])[len(prefix):]), bad
+        assert not accepts(byte_tokenizer, named, parser.render_calls([("get_weather", bad)])[len(prefix):]), bad
     two = parser.render_calls([("get_weather", '{"city": "Oslo"}'), ("get_time", '{"zone": "UTC"}')])
     required = parser.calls_grammar(tools, named=False, parallel=True)
-    assert _accepts(byte_tokenizer, required, two[len(parser.call_prefix(None)):])
+    assert accepts(byte_tokenizer, required, two[len(parser.call_prefix(None)):])
     single = parser.calls_grammar(tools, named=False, parallel=False)
-    assert not _accepts(byte_tokenizer, single, two[len(parser.call_prefix(None)):])
+    assert not accepts(byte_tokenizer, single, two[len(parser.call_prefix(None)):])
     auto = parser.text_or_calls_grammar(tools, parallel=True)
-    assert _accepts(byte_tokenizer, auto, "Plain text, no call.")
-    assert _accepts(byte_tokenizer, auto, "Checking.\n" + two)
-    assert not _accepts(byte_tokenizer, auto, parser.render_calls([("get_time", '{"zone": "PST"}')]))
+    assert accepts(byte_tokenizer, auto, "Plain text, no call.")
+    assert accepts(byte_tokenizer, auto, "Checking.\n" + two)
+    assert not accepts(byte_tokenizer, auto, parser.render_calls([("get_time", '{"zone": "PST"}')]))
