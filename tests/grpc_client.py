@@ -158,3 +158,14 @@ class GenerateStream:
 
 def greedy(max_tokens: int, **stopping) -> dict:
     return {"sampling": pb.SamplingParams(temperature=0.0), "stopping": pb.StoppingCriteria(max_tokens=max_tokens, **stopping)}
+
+
+def kv_cache_usage(engine: EngineProcess) -> float:
+    """The engine's KV-cache usage ratio, read from its Prometheus endpoint."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{engine.metrics_port}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith("inference_engine_kv_cache_usage_ratio{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("kv cache usage metric missing")

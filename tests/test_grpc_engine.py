@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -11,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from inference_service.api import pb, pb_grpc
-from tests.grpc_client import GenerateStream, greedy, start_engine
+from tests.grpc_client import GenerateStream, greedy, kv_cache_usage, start_engine
 
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 CHAT = pb.ChatInput(messages=[pb.ChatMessage(role="user", content="What is the capital of France?")])
@@ -29,14 +28,6 @@ def engine(tmp_path_factory):
 def stub(engine):
     with grpc.insecure_channel(engine.target) as channel:
         yield pb_grpc.InferenceServiceStub(channel)
-
-
-def kv_cache_usage(engine) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{engine.metrics_port}/metrics", timeout=5).read().decode()
-    for line in text.splitlines():
-        if line.startswith("inference_engine_kv_cache_usage_ratio{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("kv cache usage metric missing")
 
 
 def generate_alone(stub, **fields) -> list[int]:

@@ -10,7 +10,6 @@ import concurrent.futures
 import queue
 import threading
 import time
-import urllib.request
 
 import grpc
 import psutil
@@ -18,7 +17,7 @@ import pytest
 
 from inference_service.api import pb, pb_grpc
 from inference_service.config import CacheConfig, EngineConfig, ServerConfig
-from tests.grpc_client import GenerateStream, greedy, start_engine
+from tests.grpc_client import GenerateStream, greedy, kv_cache_usage, start_engine
 
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
@@ -40,14 +39,6 @@ def engine(tmp_path_factory):
 def stub(engine):
     with grpc.insecure_channel(engine.target) as channel:
         yield pb_grpc.InferenceServiceStub(channel)
-
-
-def kv_cache_usage(engine) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{engine.metrics_port}/metrics", timeout=5).read().decode()
-    for line in text.splitlines():
-        if line.startswith("inference_engine_kv_cache_usage_ratio{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("kv cache usage metric missing")
 
 
 def chat(content: str, **fields) -> pb.ChatInput:
