@@ -11,10 +11,10 @@
 // is there, with fp32 activations and fp32 accumulation, so results are the dequantized model's up to
 // summation order.
 //
-// Paths, chosen at run time: AVX-512, AVX2 + FMA, and a scalar one for other CPUs.
+// Paths, chosen at run time: AVX-512 (quant_avx512.cpp), AVX2 + FMA, and a scalar one for other CPUs.
 
 #include "ops.h"
-
+#include "quant_blocks.h"
 #include "worker_pool.h"
 #include <c10/util/Half.h>
 
@@ -25,15 +25,12 @@
 #include <cstring>
 #include <string>
 
+using namespace quant;
+
 namespace {
 
-enum QType : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
-constexpr int64_t kBlock = 32;
 // Activation rows handled together: each dequantized block is reused this many times from registers.
 constexpr int64_t kRowTile = 4;
-constexpr int64_t kRowTileAvx512 = 8;
-
-int64_t quant_bytes_per_block(int64_t qtype) { return qtype == kQ8_0 ? 32 : 16; }
 
 // ----------------------------------------------------------------------------------- scalar path
 
@@ -189,117 +186,6 @@ AVX2_FN void dequant_row_avx2(int64_t qtype, const uint8_t* q, const uint16_t* d
     __m256 v[4];
     dequant_block_avx2(qtype, q + b * qb, _cvtsh_ss(d[b]), m ? _cvtsh_ss(m[b]) : 0.f, v);
     for (int i = 0; i < 4; ++i) _mm256_storeu_ps(w + b * kBlock + 8 * i, v[i]);
-  }
-}
-
-// ----------------------------------------------------------------------------------- AVX-512 path
-//
-// A 4-bit block needs no int -> float conversion here: with the block's 16 possible weights in a
-// table (d * j + m, one multiply-add for all 16), `vpermps` turns each lane's low nibble into its
-// weight. Byte j of a GGUF block widened to lane j holds element j in its low nibble and element
-// j + 16 in its high one, so one shift gives the second half.
-
-#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
-
-AVX512_FN inline void dequant_block_avx512(int64_t qtype, const uint8_t* q, float d, float m, __m512 w[2]) {
-  if (qtype == kQ8_0) {
-    const __m512 vd = _mm512_set1_ps(d);
-    for (int i = 0; i < 2; ++i) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * i));
-      w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), vd);
-    }
-    return;
-  }
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  // Q4_0: d * (j - 8) = d * j + (-8 d); Q4_1: d * j + m.
-  const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(qtype == kQ4_1 ? m : -8.f * d));
-  const __m512i lanes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-  w[0] = _mm512_permutexvar_ps(lanes, table);                         // elements 0-15 (low nibbles)
-  w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(lanes, 4), table);  // elements 16-31 (high nibbles)
-}
-
-template <int NR>
-AVX512_FN void matmul_tile_avx512(int64_t qtype, const float* x, int64_t x_stride, const uint8_t* qs,
-                                  const uint16_t* scales, const uint16_t* mins, int64_t num_blocks, float* out,
-                                  int64_t out_stride, int64_t first, int64_t last) {
-  const int64_t qb = quant_bytes_per_block(qtype);
-  int64_t r = first;
-  for (; r + 1 < last; r += 2) {
-    // With few activation rows, two accumulators per (weight row, activation row), so the halves of a
-    // block are separate chains; with many, one each (they are chains enough, and must fit 32 registers).
-    constexpr int NA = NR <= 2 ? 2 : 1;
-    __m512 acc0[NR][NA], acc1[NR][NA];
-    for (int n = 0; n < NR; ++n)
-      for (int a = 0; a < NA; ++a) acc0[n][a] = acc1[n][a] = _mm512_setzero_ps();
-    const uint8_t* q0 = qs + r * num_blocks * qb;
-    const uint8_t* q1 = q0 + num_blocks * qb;
-    const uint16_t* d0 = scales + r * num_blocks;
-    const uint16_t* m0 = mins ? mins + r * num_blocks : nullptr;
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      __m512 w0[2], w1[2];
-      dequant_block_avx512(qtype, q0 + b * qb, _cvtsh_ss(d0[b]), m0 ? _cvtsh_ss(m0[b]) : 0.f, w0);
-      dequant_block_avx512(qtype, q1 + b * qb, _cvtsh_ss(d0[num_blocks + b]), m0 ? _cvtsh_ss(m0[num_blocks + b]) : 0.f, w1);
-      for (int n = 0; n < NR; ++n) {
-        const float* xb = x + n * x_stride + b * kBlock;
-        for (int i = 0; i < 2; ++i) {
-          const __m512 xv = _mm512_loadu_ps(xb + 16 * i);
-          acc0[n][i % NA] = _mm512_fmadd_ps(w0[i], xv, acc0[n][i % NA]);
-          acc1[n][i % NA] = _mm512_fmadd_ps(w1[i], xv, acc1[n][i % NA]);
-        }
-      }
-    }
-    for (int n = 0; n < NR; ++n) {
-      out[n * out_stride + r] = _mm512_reduce_add_ps(NA == 2 ? _mm512_add_ps(acc0[n][0], acc0[n][NA - 1]) : acc0[n][0]);
-      out[n * out_stride + r + 1] = _mm512_reduce_add_ps(NA == 2 ? _mm512_add_ps(acc1[n][0], acc1[n][NA - 1]) : acc1[n][0]);
-    }
-  }
-  for (; r < last; ++r) {
-    __m512 acc[NR];
-    for (int n = 0; n < NR; ++n) acc[n] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      __m512 w[2];
-      dequant_block_avx512(qtype, qs + (r * num_blocks + b) * qb, _cvtsh_ss(scales[r * num_blocks + b]),
-                           mins ? _cvtsh_ss(mins[r * num_blocks + b]) : 0.f, w);
-      for (int n = 0; n < NR; ++n) {
-        const float* xb = x + n * x_stride + b * kBlock;
-        for (int i = 0; i < 2; ++i) acc[n] = _mm512_fmadd_ps(w[i], _mm512_loadu_ps(xb + 16 * i), acc[n]);
-      }
-    }
-    for (int n = 0; n < NR; ++n) out[n * out_stride + r] = _mm512_reduce_add_ps(acc[n]);
-  }
-}
-
-AVX512_FN void matmul_rows_avx512(int64_t qtype, const float* x, int64_t x_stride, int64_t num_rows,
-                                  const uint8_t* qs, const uint16_t* scales, const uint16_t* mins, int64_t num_blocks,
-                                  float* out, int64_t out_stride, int64_t first, int64_t last) {
-  // 32 registers hold the accumulators of 8 activation rows x 2 weight rows: each dequantized block
-  // is reused 8 times.
-  for (int64_t n = 0; n < num_rows; n += kRowTileAvx512) {
-    const float* xn = x + n * x_stride;
-    float* on = out + n * out_stride;
-#define TILE(NR) matmul_tile_avx512<NR>(qtype, xn, x_stride, qs, scales, mins, num_blocks, on, out_stride, first, last)
-    switch (std::min<int64_t>(kRowTileAvx512, num_rows - n)) {
-      case 1: TILE(1); break;
-      case 2: TILE(2); break;
-      case 3: TILE(3); break;
-      case 4: TILE(4); break;
-      case 5: TILE(5); break;
-      case 6: TILE(6); break;
-      case 7: TILE(7); break;
-      default: TILE(8);
-    }
-#undef TILE
-  }
-}
-
-AVX512_FN void dequant_row_avx512(int64_t qtype, const uint8_t* q, const uint16_t* d, const uint16_t* m,
-                                  int64_t num_blocks, float* w) {
-  const int64_t qb = quant_bytes_per_block(qtype);
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    __m512 v[2];
-    dequant_block_avx512(qtype, q + b * qb, _cvtsh_ss(d[b]), m ? _cvtsh_ss(m[b]) : 0.f, v);
-    _mm512_storeu_ps(w + b * kBlock, v[0]);
-    _mm512_storeu_ps(w + b * kBlock + 16, v[1]);
   }
 }
 
