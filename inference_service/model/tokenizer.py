@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
@@ -191,28 +192,10 @@ class Tokenizer:
         else:
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         backend.decoder = decoders.ByteLevel()
-
-        def token_at(key: str) -> str | None:
-            index = meta.get(f"tokenizer.ggml.{key}")
-            return tokens[index] if index is not None and 0 <= index < len(tokens) else None
-
-        named = {name: token_at(key) for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"),
-                                                        ("unk", "unknown_token_id"), ("pad", "padding_token_id"))}
-        # Control tokens stay whole and are special; a "control" token spelled outside the byte
-        # alphabet is a converter mislabel and is left alone (as transformers does).
-        specials = [tok for tok, kind in zip(tokens, token_types) if kind == _CONTROL and set(tok) <= alphabet]
-        specials += [tok for tok in named.values() if tok is not None and tok not in specials]
-        backend.add_special_tokens([AddedToken(tok, normalized=False, special=True) for tok in specials])
-        user_defined = [tok for tok, kind in zip(tokens, token_types) if kind == _USER_DEFINED and tok in vocab]
-        if user_defined:
-            backend.add_tokens([AddedToken(tok, normalized=False, special=False) for tok in user_defined])
-        # llama.cpp also ends generation at EOT / EOM tokens.
-        extra_eos = tuple(meta[f"tokenizer.ggml.{key}"] for key in ("eot_token_id", "eom_token_id")
-                          if meta.get(f"tokenizer.ggml.{key}") is not None)
-        return cls(backend, bos_token=named["bos"], eos_token=named["eos"], pad_token=named["pad"],
-                   unk_token=named["unk"], add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-                   add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-                   chat_template=meta.get("tokenizer.chat_template"), extra_eos_token_ids=extra_eos)
+        # A "control" token spelled outside the byte alphabet is a converter mislabel and is left alone
+        # (as transformers does).
+        return cls._from_gguf_backend(meta, backend, tokens, token_types, lambda tok: set(tok) <= alphabet,
+                                      add_bos_default=False, byte_level=True)
 
     @classmethod
     def _from_gguf_sentencepiece(cls, meta: dict[str, Any]) -> Tokenizer:
@@ -231,6 +214,16 @@ class Tokenizer:
         backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
         backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                              decoders.Strip(content=" ", left=1)])
+        # NOTE: llama.cpp (and transformers) add BOS to a SentencePiece vocabulary unless told not to.
+        return cls._from_gguf_backend(meta, backend, tokens, token_types, lambda tok: True,
+                                      add_bos_default=True, byte_level=False)
+
+    @classmethod
+    def _from_gguf_backend(cls, meta: dict[str, Any], backend: BackendTokenizer, tokens: list[str],
+                           token_types: list[int], is_spelled: Callable[[str], bool], *, add_bos_default: bool,
+                           byte_level: bool) -> Tokenizer:
+        """The parts of a GGUF tokenizer both vocabularies share: named tokens, control tokens as specials,
+        user-defined tokens kept whole (those `is_spelled` in the vocabulary's alphabet), extra EOS ids."""
 
         def token_at(key: str) -> str | None:
             index = meta.get(f"tokenizer.ggml.{key}")
@@ -238,20 +231,20 @@ class Tokenizer:
 
         named = {name: token_at(key) for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"),
                                                         ("unk", "unknown_token_id"), ("pad", "padding_token_id"))}
-        specials = [tok for tok, kind in zip(tokens, token_types) if kind == _CONTROL]
+        specials = [tok for tok, kind in zip(tokens, token_types) if kind == _CONTROL and is_spelled(tok)]
         specials += [tok for tok in named.values() if tok is not None and tok not in specials]
         backend.add_special_tokens([AddedToken(tok, normalized=False, special=True) for tok in specials])
-        user_defined = [tok for tok, kind in zip(tokens, token_types) if kind == _USER_DEFINED]
+        user_defined = [tok for tok, kind in zip(tokens, token_types) if kind == _USER_DEFINED and is_spelled(tok)]
         if user_defined:
             backend.add_tokens([AddedToken(tok, normalized=False, special=False) for tok in user_defined])
+        # llama.cpp also ends generation at EOT / EOM tokens.
         extra_eos = tuple(meta[f"tokenizer.ggml.{key}"] for key in ("eot_token_id", "eom_token_id")
                           if meta.get(f"tokenizer.ggml.{key}") is not None)
-        # NOTE: llama.cpp (and transformers) add BOS to a SentencePiece vocabulary unless told not to.
         return cls(backend, bos_token=named["bos"], eos_token=named["eos"], pad_token=named["pad"],
-                   unk_token=named["unk"], add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
+                   unk_token=named["unk"], add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
                    add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
                    chat_template=meta.get("tokenizer.chat_template"), extra_eos_token_ids=extra_eos,
-                   byte_level=False)
+                   byte_level=byte_level)
 
     @classmethod
     def from_hf_dir(cls, path: str) -> Tokenizer:
