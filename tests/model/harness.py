@@ -51,6 +51,14 @@ class PagedHarness:
         while len(table) * self.block_size < num_tokens:
             table.append(self.free_blocks.pop())
 
+    def all_logits(self, piece: list[int], num_cached: int, table: list[int]) -> torch.Tensor:
+        """One sequence's step of `piece` after `num_cached` tokens: logits [len(piece), vocab] of every row."""
+        self._ensure_blocks(table, num_cached + len(piece))
+        metadata = build_metadata([num_cached], [len(piece)], [table], self.block_size)
+        positions = torch.arange(num_cached, num_cached + len(piece))
+        hidden = self.model(torch.tensor(piece), positions, self.kv_caches, metadata)
+        return self.model.compute_logits(hidden)
+
     def step(self, tokens: list[list[int]], cached: list[int], tables: list[list[int]]) -> torch.Tensor:
         """Run one step; returns logits [num_seqs, vocab] of each sequence's last new token."""
         for table, before, new in zip(tables, cached, tokens):

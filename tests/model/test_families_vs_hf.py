@@ -11,7 +11,7 @@ import torch
 from conftest import hf_greedy
 from harness import PagedHarness
 from inference_service.model.loader import load_model
-from tiny_models import VOCAB_SIZE, make_hf_model, save_hf_model
+from tiny_models import VOCAB_SIZE, load_hf_case, make_hf_model, save_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,9 +31,7 @@ PROMPT = [int(x) for x in torch.randint(3, VOCAB_SIZE, (37,), generator=torch.Ge
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
     family, overrides = CASES[request.param]
-    hf_model = make_hf_model(family, seed=len(request.param), **overrides)
-    path = save_hf_model(hf_model, str(tmp_path_factory.mktemp(request.param)))
-    return hf_model, load_model(path)
+    return load_hf_case(request.param, family, overrides, tmp_path_factory)
 
 
 def test_prefill_logits_match(case):
@@ -45,20 +43,10 @@ def test_prefill_logits_match(case):
     tables, cached, rows = [[]], [0], []
     for start in range(0, len(PROMPT), 13):
         piece = PROMPT[start:start + 13]
-        rows.append(_all_logits(harness, piece, cached, tables))
+        rows.append(harness.all_logits(piece, cached[0], tables[0]))
         cached[0] += len(piece)
     got = torch.cat(rows)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-
-
-def _all_logits(harness, piece, cached, tables):
-    from harness import build_metadata
-
-    harness._ensure_blocks(tables[0], cached[0] + len(piece))
-    metadata = build_metadata(cached, [len(piece)], tables, harness.block_size)
-    positions = torch.arange(cached[0], cached[0] + len(piece))
-    hidden = harness.model(torch.tensor(piece), positions, harness.kv_caches, metadata)
-    return harness.model.compute_logits(hidden)
 
 
 def test_greedy_tokens_match(case):
@@ -80,7 +68,7 @@ def test_bf16_prefill_logits_near_hf_bf16(case):
     harness = PagedHarness(ours, num_blocks=32, block_size=4)
     with torch.inference_mode():
         expected = hf(torch.tensor([PROMPT])).logits[0].float()  # [T, V]
-        got = _all_logits(harness, PROMPT, [0], [[]])
+        got = harness.all_logits(PROMPT, 0, [])
     rel_err = ((got - expected).norm() / expected.norm()).item()
     assert rel_err < 1.5e-2, rel_err
 
@@ -111,7 +99,7 @@ def test_yarn_scaling_factor_override(tmp_path):
     with torch.inference_mode():
         expected = yarn(torch.tensor([PROMPT])).logits[0]
     harness = PagedHarness(loaded.model, num_blocks=32, block_size=8)
-    got = _all_logits(harness, PROMPT, [0], [[]])
+    got = harness.all_logits(PROMPT, 0, [])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 

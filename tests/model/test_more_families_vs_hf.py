@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import PagedHarness, build_metadata
-from inference_service.model.loader import load_model
-from tiny_models import VOCAB_SIZE, make_hf_model, save_hf_model
+from harness import PagedHarness
+from tiny_models import VOCAB_SIZE, load_hf_case
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,19 +47,7 @@ OTHER_PROMPTS = [PROMPT[5:18], [int(x) for x in torch.randint(3, VOCAB_SIZE, (29
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
     family, overrides = CASES[request.param]
-    hf_model = make_hf_model(family, seed=len(request.param), **overrides)
-    path = save_hf_model(hf_model, str(tmp_path_factory.mktemp(request.param)))
-    return hf_model, load_model(path)
-
-
-def _logits(harness: PagedHarness, piece: list[int], cached: list[int], table: list[int]) -> torch.Tensor:
-    """All rows' logits of one sequence's step of `piece` after `cached[0]` tokens."""
-    harness._ensure_blocks(table, cached[0] + len(piece))
-    metadata = build_metadata(cached, [len(piece)], [table], harness.block_size)
-    positions = torch.arange(cached[0], cached[0] + len(piece))
-    hidden = harness.model(torch.tensor(piece), positions, harness.kv_caches, metadata)
-    cached[0] += len(piece)
-    return harness.model.compute_logits(hidden)
+    return load_hf_case(request.param, family, overrides, tmp_path_factory)
 
 
 def _hf_steps(hf_model, prompt: list[int], num_steps: int) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
@@ -80,12 +67,12 @@ def test_prefill_and_decode_logits_match(case):
     hf_model, loaded = case
     expected_prefill, expected_steps, tokens = _hf_steps(hf_model, PROMPT, NUM_DECODE)
     harness = PagedHarness(loaded.model, num_blocks=64, block_size=4)
-    table, cached = [], [0]
+    table = []
     # Prefill in 3 chunks so later chunks attend over cached blocks (and across the window's edge).
-    got = torch.cat([_logits(harness, PROMPT[start:start + 13], cached, table) for start in range(0, len(PROMPT), 13)])
+    got = torch.cat([harness.all_logits(PROMPT[start:start + 13], start, table) for start in range(0, len(PROMPT), 13)])
     torch.testing.assert_close(got, expected_prefill, atol=1e-4, rtol=1e-4)
     for step, token in enumerate(tokens[:NUM_DECODE]):  # feed HF's tokens: the steps stay comparable
-        got_step = _logits(harness, [token], cached, table)[0]
+        got_step = harness.all_logits([token], len(PROMPT) + step, table)[0]
         torch.testing.assert_close(got_step, expected_steps[step], atol=1e-4, rtol=1e-4,
                                    msg=lambda m, step=step: f"decode step {step}: {m}")
 

@@ -70,3 +70,11 @@ def save_hf_model(model, path: str) -> str:
     model.save_pretrained(path, safe_serialization=True)
     write_byte_tokenizer(path)
     return path
+
+
+def load_hf_case(name: str, family: str, overrides: dict, tmp_path_factory):
+    """(HF model, our LoadedModel of the same saved checkpoint) for one family test case."""
+    from inference_service.model.loader import load_model
+
+    hf_model = make_hf_model(family, seed=len(name), **overrides)
+    return hf_model, load_model(save_hf_model(hf_model, str(tmp_path_factory.mktemp(name))))
