@@ -54,9 +54,8 @@ RAW = [
 ]
 
 
-def prompt_ids() -> list[list[int]]:
+def prompt_ids(tok) -> list[list[int]]:
     """The 16 prompts as token ids (10 chat-templated, 6 raw), so every system reads the same tokens."""
-    tok = load_model(None).tokenizer
     chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}]), add_special_tokens=False)
              for c in CHATS]
     return chats + [tok.encode(text) for text in RAW]
@@ -201,9 +200,11 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
 
-    prompts = prompt_ids()
+    packed = load_model(None)
+    prompts = prompt_ids(packed.tokenizer)
+    packed_bytes = packed.model.num_weight_bytes
+    del packed
     copied = copy_bandwidth_gbs()
-    packed_bytes = load_model(None).model.num_weight_bytes
     dense_bytes = load_model(None, quantized_weights=False).model.num_weight_bytes
     results = {"copy_gb_s": copied, "packed_weight_bytes": packed_bytes, "dense_weight_bytes": dense_bytes,
                "ours": measure_engine([], prompts, args.new_tokens, args.concurrency),

@@ -107,7 +107,8 @@ class Linear(nn.Module):
     def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         if x.shape[0] > MAX_QUANTIZED_MATMUL_ROWS:
-            weight = torch.cat([dequantize_rows(part) for _, part in self.quantized])  # [out, in]
+            parts = [dequantize_rows(part) for _, part in self.quantized]
+            weight = parts[0] if len(parts) == 1 else torch.cat(parts)  # [out, in]
             return F.linear(x, weight, self.bias)
         if len(self.quantized) == 1:  # the usual case, kept short: a decode step makes ~150 of these calls
             out = quant_matmul(x, self.quantized[0][1])  # [N, out]
