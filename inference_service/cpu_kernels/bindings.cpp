@@ -1,4 +1,5 @@
 // Python bindings of the CPU kernels (one extension module; see quant.py for how it is built).
+#include "decoder_layer.h"
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -11,4 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "x = x * cos + rotate_half(x) * sin, in place");
   m.def("paged_decode_attention", &paged_decode_attention,
         "write k/v at slot_mapping, then each sequence's query attends its context -> [S, Hq, D]");
+  py::class_<CpuDecoderLayer>(m, "CpuDecoderLayer", "a Llama-family layer's decode step over packed weights")
+      .def(py::init<const std::vector<LinearPartArgs>&, std::optional<torch::Tensor>, const std::vector<LinearPartArgs>&,
+                    std::optional<torch::Tensor>, const std::vector<LinearPartArgs>&, const std::vector<LinearPartArgs>&,
+                    torch::Tensor, torch::Tensor, double, int64_t, int64_t, int64_t, int64_t, double, bool>())
+      .def("forward", &CpuDecoderLayer::forward, "hidden += layer(hidden) for one decode token per sequence");
 }

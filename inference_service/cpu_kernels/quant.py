@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 BLOCK_SIZE = 32
 _SOURCES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
             for name in ("quant_matmul.cpp", "quant_avx512.cpp", "norm_rope.cpp", "decode_attention.cpp",
-                         "worker_pool.cpp", "bindings.cpp")]
+                         "decoder_layer.cpp", "worker_pool.cpp", "bindings.cpp")]
 _CFLAGS = ["-O3", "-fopenmp-simd"]  # `omp simd` loops only: threads come from worker_pool.cpp
 
 
@@ -36,7 +36,7 @@ def _extension_name() -> str:
     """The module's name carries a digest of its sources and flags, so checkouts with different sources
     (or an upgrade) never load or overwrite each other's build in torch's shared extension cache."""
     digest = hashlib.sha256(" ".join(_CFLAGS).encode())
-    headers = [os.path.join(os.path.dirname(_SOURCES[0]), h) for h in ("ops.h", "quant_blocks.h", "worker_pool.h")]
+    headers = [os.path.join(os.path.dirname(_SOURCES[0]), h) for h in ("ops.h", "quant_blocks.h", "worker_pool.h", "decoder_layer.h")]
     for path in [*_SOURCES, *headers]:
         with open(path, "rb") as f:
             digest.update(f.read())

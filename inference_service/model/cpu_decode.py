@@ -1,0 +1,74 @@
+"""Decode steps of a GGUF model on the CPU, one C++ call per layer (`cpu_kernels/decoder_layer.cpp`).
+
+At batch 1 the embedded model's layer streams ~2 MB of packed weights, and the torch calls around its
+matmuls cost about as much again in dispatch; `CpuDecodeLayers` runs a whole layer's decode step in one
+call over the same kernels in the same order as the eager layer, so its tokens are the eager path's.
+It takes the plain Llama-family layer (RMSNorm, full-head RoPE, gated MLP, every projection in GGUF
+blocks, float32) and only decode-only steps within the quantized kernels' batch; anything else runs
+the eager layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inference_service.attention.metadata import AttentionMetadata
+from inference_service.cpu_kernels.quant import load_extension
+from inference_service.model.linear import MAX_QUANTIZED_MATMUL_ROWS, Linear
+from inference_service.model.norms import RMSNorm
+
+
+def _parts(linear: Linear) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]] | None:
+    """The projection's GGUF row blocks as the C++ layer takes them; None if any of it is dense."""
+    if not linear.quantized or sum(w.shape[0] for _, w in linear.quantized) != linear.out_features:
+        return None
+    return [(w.qs, w.scales, w.mins, int(w.qtype), first) for first, w in linear.quantized]
+
+
+class CpuDecodeLayers:
+    """The model's layers as C++ decode layers; `build` says None where the model does not qualify."""
+
+    def __init__(self, layers: list, rotary) -> None:
+        self._layers = layers
+        self._rotary = rotary
+
+    @classmethod
+    def build(cls, model) -> CpuDecodeLayers | None:
+        """C++ layers for a loaded `DecoderModel` whose every layer qualifies (see the module doc)."""
+        config, spec = model.config, model.spec
+        ext = load_extension() if model.device.type == "cpu" and model.dtype == torch.float32 else None
+        if (ext is None or getattr(model, "fused_kernels", False) or spec.qk_norm or spec.post_norms
+                or spec.attn_soft_cap is not None or config.rotary_dim != config.head_dim
+                or model.local_rotary is not model.rotary or model.rotary.long_tables is not None
+                or config.hidden_act not in ("silu", "gelu_pytorch_tanh")):
+            return None
+        layers = []
+        for index, layer in enumerate(model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            parts = [_parts(linear) for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if (any(p is None for p in parts) or config.layer_window(index) is not None
+                    or not all(type(norm) is RMSNorm for norm in norms)):
+                return None
+            qkv, o, gate_up, down = parts
+            layers.append(ext.CpuDecoderLayer(
+                qkv, attn.qkv_proj.bias, o, attn.o_proj.bias, gate_up, down,
+                norms[0].scale.contiguous(), norms[1].scale.contiguous(), config.rms_norm_eps,
+                attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size, attn.scale, mlp.is_gelu))
+        return cls(layers, model.rotary)
+
+    @staticmethod
+    def takes(num_tokens: int, metadata: AttentionMetadata) -> bool:
+        """Whether this step is decode-only (one token a sequence) and within the quantized kernels' batch."""
+        return (metadata.max_query_len == 1 and num_tokens == metadata.seq_lens.shape[0]
+                and num_tokens <= MAX_QUANTIZED_MATMUL_ROWS)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata) -> torch.Tensor:
+        """hidden [T, H] (the embedded tokens; the residual stream, updated in place) -> hidden [T, H]
+        before the final norm."""
+        cos, sin_signed = self._rotary.lookup(positions)  # [T, 1, D] each, shared by every layer
+        block_tables, seq_lens, slots = metadata.block_tables, metadata.seq_lens, metadata.slot_mapping
+        for layer, (k_cache, v_cache) in zip(self._layers, kv_caches, strict=True):
+            layer.forward(hidden, cos, sin_signed, k_cache, v_cache, block_tables, seq_lens, slots)
+        return hidden
