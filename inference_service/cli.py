@@ -8,7 +8,10 @@ import logging
 import os
 import sys
 
+from dataclasses import replace
+
 from inference_service.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
+from inference_service.model.hub import HubError, download_model, parse_hub_id
 
 API_KEY_ENV = "INFERENCE_SERVICE_API_KEY"
 
@@ -22,11 +25,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None,
-                   help="GGUF file, Hugging Face safetensors folder (decoder, or BERT encoder for embeddings only) "
-                        "or all-minilm-l6-v2; default: the embedded SmolLM2-135M-Instruct")
-    m.add_argument("--served-model-name", default=None, help="name clients use; default: derived from the model")
+                   help="GGUF file, Hugging Face safetensors folder (decoder, or BERT encoder for embeddings only), "
+                        "all-minilm-l6-v2, or a Hugging Face Hub id org/name[@revision][:QUANT] downloaded into "
+                        "the hub cache (HF_TOKEN, HF_HUB_OFFLINE honoured); default: the embedded "
+                        "SmolLM2-135M-Instruct")
+    m.add_argument("--revision", default=None,
+                   help="hub revision (branch, tag or commit) of a hub --model; default main (or its @revision)")
+    m.add_argument("--gguf-file", default=None, metavar="NAME",
+                   help="the GGUF file to load from a hub --model repo holding several (else: its :QUANT hint)")
+    m.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                   help="name clients use (one); default: the hub id, else derived from the model")
     m.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    m.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
+    m.add_argument("--dtype", default="auto",
+                   choices=["auto", "float32", "float", "bfloat16", "float16", "half", "fp32", "bf16", "fp16"],
+                   help="auto (float32 on CPU, bfloat16 on GPU), float32 (float), bfloat16, float16 (half)")
+    m.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="vLLM's flag: only 1 until tensor parallelism exists (larger values are refused)")
     m.add_argument("--dequantize", action="store_true",
                    help="expand a GGUF's Q4_0/Q4_1/Q8_0 weights to --dtype at load; by default they stay in their "
                         "blocks on a CPU and run in place (a fifth to a quarter of the memory read per token)")
@@ -53,13 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     c.add_argument("--kv-cache-memory", type=int, default=None, dest="kv_cache_memory_mib",
                    help="KV-cache size in MiB; default 1024 on CPU, --gpu-memory-fraction on a GPU")
-    c.add_argument("--gpu-memory-fraction", type=float, default=0.9,
+    c.add_argument("--gpu-memory-fraction", type=float, default=None,
                    help="fraction of the GPU memory free after loading the model given to the KV cache, less "
-                        "the profiled activation peaks of the largest prefill step and CUDA graph")
-    c.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
-                   help="auto: the model dtype; fp8: e4m3 (half the memory and bytes read; Triton backend only)")
+                        "the profiled activation peaks of the largest prefill step and CUDA graph (default 0.9)")
+    c.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="vLLM's meaning, instead of --gpu-memory-fraction: fraction of the GPU's TOTAL memory "
+                        "this engine may use in all; the KV cache gets it less what is in use after loading "
+                        "(weights, other processes) and the activation peaks")
+    c.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="auto: the model dtype; fp8 (= fp8_e4m3): half the memory and bytes read; Triton only")
+    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share KV blocks between requests with identical prompt prefixes")
     c.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
-                   help="do not share KV blocks between requests with identical prompt prefixes")
+                   help="the same as --no-enable-prefix-caching")
     s = p.add_argument_group("scheduler")
     s.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
     s.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
@@ -94,9 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    served_names = args.served_model_name or []
+    if len(served_names) > 1:
+        raise ValueError(f"--served-model-name: one name only (aliases are not supported), got {served_names}")
+    if args.gpu_memory_fraction is not None and args.gpu_memory_utilization is not None:
+        raise ValueError("--gpu-memory-fraction (of free memory) and --gpu-memory-utilization (of total memory, "
+                         "vLLM's meaning) are two ways to size the KV cache: give one")
+    hub_model = parse_hub_id(args.model, args.revision)
+    if hub_model is None and (args.revision is not None or args.gguf_file is not None):
+        raise ValueError("--revision and --gguf-file apply to a hub --model (org/name), not to a local path")
     engine = EngineConfig(
         model=args.model,
-        served_model_name=args.served_model_name,
+        served_model_name=served_names[0] if served_names else (hub_model.repo_id if hub_model else None),
         device=args.device,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
@@ -110,10 +139,12 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_cuda_graph_batch_size=args.max_cuda_graph_batch_size,
         async_scheduling=args.async_scheduling,
         chat_template=args.chat_template,
+        tensor_parallel_size=args.tensor_parallel_size,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_mib=args.kv_cache_memory_mib,
-            gpu_memory_fraction=args.gpu_memory_fraction,
+            gpu_memory_fraction=0.9 if args.gpu_memory_fraction is None else args.gpu_memory_fraction,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching,
             kv_cache_dtype=args.kv_cache_dtype,
         ),
@@ -150,6 +181,13 @@ def main(argv: list[str] | None = None) -> None:
         engine_config, server_config = configs_from_args(args)
     except ValueError as e:
         parser.error(str(e))
+    hub_model = parse_hub_id(args.model, args.revision)
+    if hub_model is not None:
+        try:
+            engine_config = replace(engine_config, model=download_model(hub_model, args.gguf_file))
+        except HubError as e:
+            logging.getLogger("inference_service").error("cannot start: %s", e)
+            sys.exit(2)
     import torch
 
     from inference_service.server import serve

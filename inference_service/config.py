@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+# vLLM's spellings of the same types: "half"/"float" dtypes, "fp8_e4m3" (our fp8 is e4m3).
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}
+
 
 @dataclass(slots=True)
 class CacheConfig:
@@ -15,19 +19,25 @@ class CacheConfig:
     kv_cache_memory_mib: int | None = None
     # Fraction of the device's free memory, after the model is loaded, given to the KV cache.
     gpu_memory_fraction: float = 0.9
+    # vLLM's meaning instead: fraction of the device's TOTAL memory this engine may use in all (weights,
+    # activations, KV cache); set, it replaces `gpu_memory_fraction`. None = not given.
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     # "auto" = the model dtype; "fp8" = e4m3 with unit scales (Triton backend only): half the bytes.
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
+        self.kv_cache_dtype = _KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+            raise ValueError(f"--kv-cache-dtype must be auto, fp8 or fp8_e4m3, got {self.kv_cache_dtype!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"--block-size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.kv_cache_memory_mib is not None and self.kv_cache_memory_mib <= 0:
             raise ValueError(f"--kv-cache-memory must be > 0 MiB, got {self.kv_cache_memory_mib}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(slots=True)
@@ -54,7 +64,9 @@ class SchedulerConfig:
 class EngineConfig:
     """Everything the engine needs to load a model and run it."""
 
-    model: str | None = None  # GGUF file or HF folder; None = the embedded SmolLM2
+    # GGUF file or HF folder; None = the embedded SmolLM2. A hub id (org/name) is downloaded by the CLI
+    # (`model/hub.py`) before this config is built, so here it is always local.
+    model: str | None = None
     served_model_name: str | None = None
     device: str = "auto"  # "cpu", "cuda", "cuda:N" or "auto"
     dtype: str = "auto"  # "float32", "bfloat16", "float16" or "auto" (fp32 on CPU, bf16 on GPU)
@@ -74,12 +86,17 @@ class EngineConfig:
     # (where the model runs in the calling thread, so nothing would overlap).
     async_scheduling: bool | None = None
     chat_template: str | None = None  # a Jinja file replacing the model's own chat template
+    tensor_parallel_size: int = 1  # accepted for vLLM's flag; only 1 until tensor parallelism exists
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self):
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
-            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be auto, float32 (float), bfloat16 or float16 (half), got {self.dtype!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: tensor parallelism is not "
+                             "implemented yet; only 1 (one device) is accepted")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -61,8 +61,13 @@ def allocate_kv_caches(spec: KVCacheSpec, cache_config: CacheConfig, device: tor
     if cache_config.kv_cache_memory_mib is not None:
         budget = cache_config.kv_cache_memory_mib * 2**20
     elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * cache_config.gpu_memory_fraction) - reserve_bytes
+        free, total = torch.cuda.mem_get_info(device)
+        if cache_config.gpu_memory_utilization is not None:
+            # vLLM's --gpu-memory-utilization: a share of the total, of which what is in use already
+            # (the weights just loaded, other processes) is spent.
+            budget = int(total * cache_config.gpu_memory_utilization) - (total - free) - reserve_bytes
+        else:
+            budget = int(free * cache_config.gpu_memory_fraction) - reserve_bytes
     else:
         budget = DEFAULT_CPU_KV_CACHE_MIB * 2**20
     num_blocks = budget // spec.bytes_per_block
