@@ -31,6 +31,7 @@ from rest_proxy.responses import ResponsesService, build_router
 from rest_proxy.responses_store import ResponseStore
 from rest_proxy.sse import event_stream
 from rest_proxy.translate import chat_input, check_wire_safe, template_renders_tools
+from rest_proxy.ui import mount_ui
 
 log = logging.getLogger(__name__)
 _CREATED = int(time.time())
@@ -184,6 +185,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
             body["mcp_servers"] = ({name: {"connected": c.client is not None, "tools": len(c.tools)}
                                     for name, c in mcp.connections.items()} if mcp is not None else {})
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    mount_ui(app, config)  # the chat UI at / when config.ui
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics(_: Request):

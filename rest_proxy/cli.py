@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(least recently used evicted first; 0: none kept). In memory, per replica")
     serve.add_argument("--responses-store-ttl", type=float, default=3600.0, metavar="SECONDS",
                        help="seconds a stored response is kept")
+    serve.add_argument("--ui", action=argparse.BooleanOptionalAction, default=False,
+                       help="serve the web chat UI at / (on in `make serve`); it calls the API with the key "
+                            "the user types in")
     engine = serve.add_argument_group("engine connection")
     engine.add_argument("--engine-api-key", default=None,
                         help=f"key the engines require (their --api-key; default: ${ENGINE_API_KEY_ENV})")
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                              engine_tls_ca=args.engine_tls_ca, engine_tls_cert=args.engine_tls_cert,
                              engine_tls_key=args.engine_tls_key, docs=args.docs,
                              responses_store_size=args.responses_store_size,
-                             responses_store_ttl=args.responses_store_ttl)
+                             responses_store_ttl=args.responses_store_ttl, ui=args.ui)
     except ValueError as err:
         print(f"rest-proxy: {err}", file=sys.stderr)
         return 2
@@ -109,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"rest-proxy: serving the OpenAI API on http://{args.host}:{args.port}/v1 "
           f"(engines: {', '.join(config.engines)})", flush=True)
+    if config.ui:
+        print(f"rest-proxy: chat UI on http://{args.host}:{args.port}/", flush=True)
     from inference_service.engine.gc_heap import freeze_startup_heap
     from rest_proxy.drain import DrainingServer
     from rest_proxy.limits import uvicorn_config

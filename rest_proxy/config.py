@@ -37,6 +37,7 @@ class ProxyConfig:
     # Stored responses for previous_response_id: at most this many (LRU), each this many seconds at most.
     responses_store_size: int = 1000
     responses_store_ttl: float = 3600.0
+    ui: bool = False  # the web chat UI at `/` (rest_proxy/ui.py)
 
     def __post_init__(self) -> None:
         if not self.engines:
