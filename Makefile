@@ -8,6 +8,9 @@ ENGINE_PORT ?= 50051
 PROXY_PORT ?= 8000
 MODEL ?=
 SERVE_ARGS ?=
+# Flags of the OpenAI proxy in `make serve`, e.g. PROXY_ARGS="--mcp-config mcp.json --api-key KEY"; the chat
+# UI is on unless they say --no-ui.
+PROXY_ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup serve serve-engine test proto lint bench clean
@@ -32,7 +35,7 @@ proto: $(STAMP)
 	$(PY) -m inference_service.protogen
 
 serve: $(STAMP)
-	@$(PY) -m inference_service.launch --engine-port $(ENGINE_PORT) --proxy-port $(PROXY_PORT) $(if $(MODEL),--model $(MODEL)) $(SERVE_ARGS)
+	@$(PY) -m inference_service.launch --engine-port $(ENGINE_PORT) --proxy-port $(PROXY_PORT) $(if $(MODEL),--model $(MODEL)) --proxy-args "--ui $(PROXY_ARGS)" $(SERVE_ARGS)
 
 serve-engine: $(STAMP)
 	$(VENV)/bin/inference-service serve --port $(ENGINE_PORT) $(if $(MODEL),--model $(MODEL)) $(SERVE_ARGS)

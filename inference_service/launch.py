@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import signal
 import subprocess
 import sys
@@ -35,7 +36,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Start the engine and the OpenAI-compatible proxy.")
     parser.add_argument("--engine-port", type=int, default=50051)
     parser.add_argument("--proxy-port", type=int, default=8000)
-    parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2)")
+    parser.add_argument("--model", default=None,
+                        help="GGUF file, HF folder or hub id org/name (default: embedded SmolLM2)")
+    parser.add_argument("--proxy-args", default="", metavar="FLAGS",
+                        help='flags of the proxy, one shell-quoted string (make serve: PROXY_ARGS="--ui ...")')
     args, engine_args = parser.parse_known_args(argv)
 
     for name, port in (("--engine-port", args.engine_port), ("--proxy-port", args.proxy_port)):
@@ -63,11 +67,16 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     wait_until_serving(f"127.0.0.1:{args.engine_port}", engine, timeout_s=300)
+    proxy_flags = shlex.split(args.proxy_args)
+    ui_flags = [f for f in proxy_flags if f in ("--ui", "--no-ui")]
     proxy = subprocess.Popen([sys.executable, "-m", "rest_proxy.cli", "serve", "--engine",
-                              f"127.0.0.1:{args.engine_port}", "--port", str(args.proxy_port)])
+                              f"127.0.0.1:{args.engine_port}", "--port", str(args.proxy_port),
+                              *proxy_flags])
     processes.append(proxy)
     print(f"\nEngine (gRPC): localhost:{args.engine_port}\n"
-          f"OpenAI API:    http://localhost:{args.proxy_port}/v1  (Ctrl-C stops both)\n", flush=True)
+          f"OpenAI API:    http://localhost:{args.proxy_port}/v1  (Ctrl-C stops both)\n"
+          + (f"Chat UI:       http://localhost:{args.proxy_port}/\n" if ui_flags[-1:] == ["--ui"] else ""),
+          flush=True)
     while all(p.poll() is None for p in processes):
         time.sleep(0.5)
     # One of the two ended by itself (a taken port, a crash): say which, stop the other, fail.
