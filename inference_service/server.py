@@ -18,9 +18,11 @@ from inference_service.config import EngineConfig, ServerConfig
 from inference_service.engine.async_engine import AsyncEngine
 from inference_service.engine.embedding_engine import create_embedding_engine
 from inference_service.engine.gc_heap import freeze_startup_heap
-from inference_service.engine.llm_engine import LLMEngine, resolve_device, resolve_dtype
+from inference_service.engine.info import ModelInfo
+from inference_service.engine.input_processor import InputProcessor
+from inference_service.engine.llm_engine import LLMEngine
+from inference_service.engine.model_loading import load_model_for
 from inference_service.errors import InvalidRequestError, as_engine_error
-from inference_service.model.loader import load_model
 from inference_service.ports import ensure_port_free
 from inference_service.reflection import enable_reflection
 from inference_service.security import ApiKeyInterceptor, server_credentials
@@ -104,32 +106,32 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
 
 
 class EngineServer:
-    """Owns the engine and its gRPC server; `start()`, then `wait_for_shutdown()`."""
+    """Owns the engines and the gRPC server; `start()`, then `wait_for_shutdown()`.
 
-    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, llm: LLMEngine | None = None):
+    `llm_engine` (the synchronous generation engine) is loaded from `engine_config` unless given; an
+    encoder model has none. `async_engine` runs it on its thread; `embedder` serves Embed."""
+
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig,
+                 llm_engine: LLMEngine | None = None):
         self.server_config = server_config
-        if llm is None:
-            device = resolve_device(engine_config.device)
-            dtype = resolve_dtype(engine_config.dtype, device)
-            loaded = load_model(engine_config.model, device=device, dtype=dtype,
-                                yarn_scaling_factor=engine_config.yarn_scaling_factor,
-                                load_format=engine_config.load_format,
-                                attention_backend=engine_config.attention_backend, seed=engine_config.seed,
-                                quantized_weights=not engine_config.dequantize)
+        if llm_engine is None:
+            on_device = load_model_for(engine_config)
+            loaded, device, dtype = on_device.loaded, on_device.device, on_device.dtype
             # An encoder (BERT) only embeds: no KV cache, no generation engine.
-            llm = None if loaded.is_encoder else LLMEngine(engine_config, loaded=loaded)
+            llm_engine = None if loaded.is_encoder else LLMEngine(engine_config, loaded=loaded)
         else:
-            loaded, device, dtype = llm.loaded, llm.device, llm.dtype
-        self.llm = llm
-        self.model_name = engine_config.served_model_name or loaded.model_name
-        self.engine = AsyncEngine(self.llm) if self.llm is not None else None
+            loaded, device, dtype = llm_engine.loaded, llm_engine.device, llm_engine.dtype
+        self.llm_engine = llm_engine
+        self.model = ModelInfo.of(loaded, engine_config.served_model_name, device, dtype)
+        self.async_engine = AsyncEngine(llm_engine) if llm_engine is not None else None
         self.embedder = create_embedding_engine(
             loaded, device=device, dtype=dtype, pooling_mode=engine_config.embedding_pooling,
-            max_model_len=llm.max_model_len if llm is not None else engine_config.max_model_len,
-            block_size=engine_config.cache.block_size,
-            run_on_model_thread=self.engine.run_on_engine_thread if self.engine is not None else None)
+            max_model_len=llm_engine.max_model_len if llm_engine is not None else engine_config.max_model_len,
+            block_size=engine_config.cache.block_size, generation_engine=self.async_engine)
         # Stopped in this order: a decoder's embeddings run on the generation engine's thread.
-        self.engines = [e for e in (self.embedder, self.engine) if e is not None]
+        self.engines = [e for e in (self.embedder, self.async_engine) if e is not None]
+        input_processor = (llm_engine.input_processor if llm_engine is not None else
+                           InputProcessor(loaded.tokenizer, self.embedder.max_input_tokens, self.model.vocab_size))
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self._shutdown = asyncio.Event()
@@ -151,10 +153,10 @@ class EngineServer:
                 ("grpc.keepalive_permit_without_calls", 1),
             ],
         )
-        servicer = InferenceServicer(self.engine, self.model_name, self.embedder,
-                                     max_stream_stall_s=server_config.max_stream_stall_s,
-                                     max_queued_responses=server_config.max_queued_responses)
-        pb_grpc.add_InferenceServiceServicer_to_server(servicer, self.server)
+        self.servicer = InferenceServicer(self.model, input_processor, self.async_engine, self.embedder,
+                                          max_stream_stall_s=server_config.max_stream_stall_s,
+                                          max_queued_responses=server_config.max_queued_responses)
+        pb_grpc.add_InferenceServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection([SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], self.server)
 
@@ -176,7 +178,7 @@ class EngineServer:
             start_http_server(cfg.metrics_port, addr=cfg.host)
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        logger.info("serving %s on %s:%d", self.model_name, cfg.host, self.port)
+        logger.info("serving %s on %s:%d", self.model.name, cfg.host, self.port)
         return self.port
 
     def request_shutdown(self) -> None:
@@ -187,7 +189,7 @@ class EngineServer:
         await self.shutdown()
 
     async def shutdown(self) -> None:
-        """Drains: NOT_SERVING first, no new requests, in-flight ones get `shutdown_timeout`."""
+        """Drains: NOT_SERVING first, no new requests, in-flight ones get `shutdown_timeout`, then stops."""
         timeout = self.server_config.shutdown_timeout
         def num_active() -> int:
             return sum(engine.num_active_requests for engine in self.engines)

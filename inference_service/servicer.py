@@ -23,6 +23,7 @@ from inference_service.convert import (
 )
 from inference_service.engine.async_engine import AsyncEngine
 from inference_service.engine.embedding_engine import EmbeddingEngine
+from inference_service.engine.info import ModelInfo
 from inference_service.engine.input_processor import InputProcessor
 from inference_service.engine.request import CompletionDelta, EngineRequest, Usage
 from inference_service.engine.sequence import FinishReason
@@ -35,35 +36,33 @@ _NUM_TOKENIZER_THREADS = 4
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
-    def __init__(self, engine: AsyncEngine | None, model_name: str, embedder: EmbeddingEngine | None = None, *,
-                 max_stream_stall_s: float = float("inf"), max_queued_responses: int | None = None):
-        """`engine` is None for an encoder model (Generate answers UNIMPLEMENTED); `embedder` serves Embed.
+    def __init__(self, model: ModelInfo, input_processor: InputProcessor, async_engine: AsyncEngine | None,
+                 embedder: EmbeddingEngine | None = None, *, max_stream_stall_s: float = float("inf"),
+                 max_queued_responses: int | None = None):
+        """`async_engine` is None for an encoder model (Generate answers UNIMPLEMENTED); `embedder` serves Embed.
         A Generate stream whose client does not read for `max_stream_stall_s` seconds, or lets more than
         `max_queued_responses` responses wait, gets its requests aborted with RESOURCE_EXHAUSTED."""
         self.max_stream_stall_s = max_stream_stall_s
         self.max_queued_responses = max_queued_responses
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(_NUM_TOKENIZER_THREADS, "tokenize")
-        self.engine = engine
-        self.llm = engine.engine if engine is not None else None
+        self.model = model
+        self.async_engine = async_engine
         self.embedder = embedder
-        self.loaded = self.llm.loaded if self.llm is not None else embedder.loaded
-        self.tokenizer = self.loaded.tokenizer
-        self.model_name = model_name
-        self.input_processor = self.llm.input_processor if self.llm is not None else InputProcessor(
-            self.tokenizer, embedder.max_input_tokens, self.loaded.config.vocab_size)
+        self.input_processor = input_processor
+        self.tokenizer = input_processor.tokenizer
 
     def _make_request(self, engine_request_id: str, start: pb.StartGeneration) -> EngineRequest:
-        if self.llm is None:
+        if self.async_engine is None:
             raise UnimplementedError(
-                f"model {self.model_name!r} is an encoder ({self.loaded.config.model_type}) and serves only Embed "
+                f"model {self.model.name!r} is an encoder ({self.model.family}) and serves only Embed "
                 f"and Tokenize, not Generate")
         params = sampling_params_from_proto(start)
         add_special = start.add_special_tokens if start.HasField("add_special_tokens") else None
-        return self.llm.input_processor.process(engine_request_id, prompt_from_proto(start), params, add_special)
+        return self.input_processor.process(engine_request_id, prompt_from_proto(start), params, add_special)
 
     def _count_rejected(self) -> None:
-        if self.llm is not None:  # an encoder has no generation metrics
-            self.llm.metrics.on_request_rejected()
+        if self.async_engine is not None:  # an encoder has no generation metrics
+            self.async_engine.count_rejected()
 
     async def _off_loop(self, fn, *args):
         """Runs `fn(*args)` on the tokenizer threads: a long prompt must not stall every other stream."""
@@ -85,7 +84,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     out.put(delta_to_proto(client_id, aborted_before_start(request), self.tokenizer))
                     return
                 in_engine.add(client_id)
-                async with aclosing(self.engine.generate(request)) as deltas:
+                async with aclosing(self.async_engine.generate(request)) as deltas:
                     async for delta in deltas:
                         stall = out.stall_reason()
                         if stall is not None:  # leaving the loop aborts the request and frees its blocks
@@ -116,7 +115,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             if client_id not in active:
                 raise InvalidRequestError(f"cancel for unknown request id {client_id!r}", field="cancel.request_id")
             if client_id in in_engine:
-                self.engine.abort(f"{stream_id}-{client_id}")
+                self.async_engine.abort(f"{stream_id}-{client_id}")
             else:
                 cancelled.add(client_id)
 
@@ -159,7 +158,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             response.token_ids.extend(tok.encode(t.text, add_special_tokens=add_special))
         elif op == "detokenize":
             d = msg.detokenize
-            vocab = self.loaded.config.vocab_size
+            vocab = self.model.vocab_size
             bad = [i for i in d.ids if i >= vocab]
             if bad:
                 raise InvalidRequestError(
@@ -178,7 +177,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     async def Embed(self, request_iterator, context) -> AsyncIterator[pb.EmbedResponse]:
         if self.embedder is None:
-            raise UnimplementedError(f"model {self.model_name!r} does not serve embeddings")
+            raise UnimplementedError(f"model {self.model.name!r} does not serve embeddings")
         out = ResponseQueue()
         active: dict[str, asyncio.Task] = {}  # client request id -> task computing its embeddings
 
@@ -208,8 +207,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             yield item
 
     async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
-        llm, tok, embedder = self.llm, self.tokenizer, self.embedder
-        cfg = self.loaded.config
+        model, tok, embedder = self.model, self.tokenizer, self.embedder
+        info = self.async_engine.info() if self.async_engine is not None else None
         special = pb.SpecialTokens(eos_token_ids=tok.eos_token_ids, bos_token=tok.bos_token or "",
                                    eos_token=tok.eos_token or "")
         if tok.bos_token_id is not None:
@@ -217,34 +216,32 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if tok.pad_token_id is not None:
             special.pad_token_id = tok.pad_token_id
         response = pb.GetModelInfoResponse(
-            model_name=self.model_name,
-            family=cfg.model_type,
-            architecture=cfg.architecture,
-            max_context_length=llm.max_model_len if llm is not None else embedder.max_input_tokens,
-            vocab_size=cfg.vocab_size,
+            model_name=model.name,
+            family=model.family,
+            architecture=model.architecture,
+            max_context_length=info.max_model_len if info is not None else embedder.max_input_tokens,
+            vocab_size=model.vocab_size,
             special_tokens=special,
             has_chat_template=tok.chat_template is not None,
             chat_template=tok.chat_template or "",
-            supports_generate=llm is not None,
+            supports_generate=info is not None,
             supports_embed=embedder is not None,
             embedding_dimensions=embedder.embedding_dimensions if embedder is not None else 0,
-            model_path=self.loaded.model_path,
+            model_path=model.model_path,
         )
-        if llm is None:
+        if info is None:
             return response
-        sched = llm.config.scheduler
         response.kv_cache.CopyFrom(pb.KvCacheInfo(
-            block_size=llm.block_manager.block_size,
-            num_blocks=llm.block_manager.num_blocks,
-            dtype=str(llm.dtype).removeprefix("torch."),
-            max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_waiting_requests=sched.max_waiting_requests,
-            prefix_caching=llm.block_manager.enable_prefix_caching,
-            device=str(llm.device),
+            block_size=info.block_size,
+            num_blocks=info.num_blocks,
+            dtype=model.dtype,
+            max_num_seqs=info.max_num_seqs,
+            max_num_batched_tokens=info.max_num_batched_tokens,
+            max_waiting_requests=info.max_waiting_requests,
+            prefix_caching=info.enable_prefix_caching,
+            device=model.device,
         ))
         return response
-
 
 
 def aborted_before_start(request: EngineRequest) -> CompletionDelta:

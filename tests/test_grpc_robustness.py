@@ -141,7 +141,7 @@ def inprocess_server():
 
 
 def test_an_unexpected_error_ends_its_request_in_band_and_the_stream_carries_on(inprocess_server):
-    processor = inprocess_server.llm.input_processor
+    processor = inprocess_server.servicer.input_processor
     process = processor.process
 
     def faulty(request_id, prompt, *args):

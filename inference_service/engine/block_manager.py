@@ -162,9 +162,3 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
-
-    def reset_prefix_cache(self) -> None:
-        for block_id in self.free_block_ids:
-            block = self.blocks[block_id]
-            block.hash, block.token_ids = NO_HASH, ()
-        self.hash_to_block_id = {b.hash: b.block_id for b in self.blocks if b.hash != NO_HASH}

@@ -2,41 +2,32 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
 
 from inference_service.config import EngineConfig
 from inference_service.engine.block_manager import BlockManager
+from inference_service.engine.info import EngineInfo, EngineLoad, ModelInfo
 from inference_service.engine.input_processor import InputProcessor
-from inference_service.engine.model_runner import LaunchedStep, ModelRunner
+from inference_service.engine.model_runner import LaunchedStep, ModelRunner, SampledToken
 from inference_service.engine.output_processor import OutputProcessor
-from inference_service.engine.request import CompletionDelta, EngineRequest, Usage
+from inference_service.engine.model_loading import load_model_for, resolve_device, resolve_dtype
+from inference_service.engine.request import CompletionDelta, EngineRequest, RequestOutput, Usage
+from inference_service.engine.sampling_params import SamplingParams
 from inference_service.engine.scheduler import Scheduler, SchedulerOutput
 from inference_service.engine.sequence import FinishReason, Sequence
 from inference_service.engine.structured_output import GrammarCompiler
 from inference_service.errors import InvalidRequestError
 from inference_service.model.chat_template import load_chat_template
 from inference_service.metrics import EngineMetrics
-from inference_service.model.loader import LoadedModel, load_model
+from inference_service.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-    name = aliases.get(name, name)
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 @dataclass(slots=True)
@@ -44,7 +35,7 @@ class _InFlightStep:
     sched_out: SchedulerOutput
     launched: LaunchedStep
     start_time: float
-    reads_history: bool  # a sampling sequence needs this step's tokens on the host first (history, format)
+    needs_previous_token: bool  # a sampling sequence needs this step's tokens on the host first (history, format)
 
 
 @dataclass
@@ -70,11 +61,7 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.loaded = loaded or load_model(
-            config.model, device=self.device, dtype=self.dtype, yarn_scaling_factor=config.yarn_scaling_factor,
-            load_format=config.load_format, attention_backend=config.attention_backend, seed=config.seed,
-            quantized_weights=not config.dequantize,
-        )
+        self.loaded = loaded or load_model_for(config).loaded
         self.tokenizer = self.loaded.tokenizer
         if config.chat_template is not None:
             self.tokenizer.chat_template = load_chat_template(config.chat_template)
@@ -96,10 +83,42 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         # A sequence may not outgrow the whole cache, or preempting it could never make room.
         self.max_seq_tokens = self.model_runner.max_seq_tokens
+        self._generate_ids = itertools.count()
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._in_flight is not None
+
+    def info(self) -> EngineInfo:
+        """The engine's sizes and limits (fixed once built)."""
+        sched, bm = self.config.scheduler, self.block_manager
+        return EngineInfo(
+            model=ModelInfo.of(self.loaded, self.config.served_model_name, self.device, self.dtype),
+            max_model_len=self.max_model_len, max_seq_tokens=self.max_seq_tokens, block_size=bm.block_size,
+            num_blocks=bm.num_blocks, enable_prefix_caching=bm.enable_prefix_caching,
+            max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_waiting_requests=sched.max_waiting_requests, is_async_scheduling=self.is_async_scheduling,
+        )
+
+    def load(self) -> EngineLoad:
+        """The queues and the cache now."""
+        return EngineLoad(num_waiting=self.num_waiting, num_running=len(self.scheduler.running),
+                          num_free_blocks=self.block_manager.num_free_blocks, num_blocks=self.block_manager.num_blocks)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting for admission (new or preempted)."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def compile_grammar(self, structured_output):
+        """The llguidance matcher of a request's output format; `InvalidRequestError` for a bad one.
+
+        Thread-safe: the async engine compiles off the step thread."""
+        return self.grammar_compiler.compile(structured_output)
 
     def add_request(self, request: EngineRequest) -> None:
         """Queues a processed request as `params.n` sequences sharing its prompt's blocks."""
@@ -153,26 +172,59 @@ class LLMEngine:
         self.metrics.on_scheduler_state(self.scheduler, self.block_manager)
         return deltas
 
+    def abort_all(self, reason: FinishReason = FinishReason.ABORT) -> list[CompletionDelta]:
+        """Ends every request; returns their final deltas."""
+        return [delta for request_id in list(self.requests) for delta in self.abort_request(request_id, reason)]
+
     def step(self) -> list[CompletionDelta]:
         """Schedules and launches a step; returns the deltas of the step(s) resolved meanwhile:
         this one without async scheduling, else the one launched by the previous call."""
         deltas = []
-        if self._in_flight is not None and self._in_flight.reads_history:
-            deltas = self.drain()  # penalties and formats read every token: no step may be pending
+        if self._in_flight is not None and self._in_flight.needs_previous_token:
+            deltas = self.wait_for_in_flight_step()  # penalties and formats read every token: none may be pending
         sched_out = self.scheduler.schedule()
         launched = None
         if not sched_out.is_empty:
             start = time.perf_counter()
             step_handle = self.model_runner.launch(sched_out.scheduled, self._in_flight and self._in_flight.launched)
-            reads_history = any(s.is_sampling and s.seq.params.needs_previous_token for s in sched_out.scheduled)
-            launched = _InFlightStep(sched_out, step_handle, start, reads_history)
-        deltas += self.drain()
+            needs_previous_token = any(s.is_sampling and s.seq.params.needs_previous_token
+                                       for s in sched_out.scheduled)
+            launched = _InFlightStep(sched_out, step_handle, start, needs_previous_token)
+        deltas += self.wait_for_in_flight_step()
         self._in_flight = launched
         if not self.is_async_scheduling:
-            deltas += self.drain()
+            deltas += self.wait_for_in_flight_step()
         return deltas
 
-    def drain(self) -> list[CompletionDelta]:
+    def run_until_idle(self) -> list[CompletionDelta]:
+        """Steps until no request is left; returns every delta on the way."""
+        deltas = []
+        while self.has_unfinished:
+            deltas += self.step()
+        return deltas
+
+    def generate(self, prompts: Seq[str | list[int]],
+                 sampling_params: SamplingParams | Seq[SamplingParams]) -> list[RequestOutput]:
+        """Offline generation: runs every prompt (text or token ids) to the end, batched together.
+
+        `sampling_params` is one for all prompts or one per prompt. Returns the outputs in prompt order.
+        The engine must be idle (no request added otherwise), so that no delta goes unreturned."""
+        if self.has_unfinished:
+            raise RuntimeError("generate() needs an idle engine: requests added with add_request are running")
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        outputs = {}
+        for prompt, p in zip(prompts, params):
+            request_id = f"generate-{next(self._generate_ids)}"
+            self.add_request(self.input_processor.process(request_id, prompt, p))
+            outputs[request_id] = RequestOutput.empty(request_id, p.n)
+        for delta in self.run_until_idle():
+            outputs[delta.request_id].add(delta)
+        return list(outputs.values())
+
+    def wait_for_in_flight_step(self) -> list[CompletionDelta]:
         """Waits for the step in flight, if any, and returns its deltas."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
@@ -181,15 +233,16 @@ class LLMEngine:
         self.metrics.on_step(in_flight.sched_out, time.perf_counter() - in_flight.start_time)
         return self.update_from_output(in_flight.sched_out, sampled)
 
-    def update_from_output(self, sched_out: SchedulerOutput, sampled: dict) -> list[CompletionDelta]:
+    def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[int, SampledToken]) -> list[CompletionDelta]:
+        """Appends a finished step's sampled tokens (by `seq_id`) and returns their deltas."""
         token_ids = {seq_id: s.token_id for seq_id, s in sampled.items()}
         deltas = []
         now = time.monotonic()
         for seq in self.scheduler.update_from_output(sched_out, token_ids):
             state = self.requests[seq.request_id]
-            delta, stopped_by_string = self.output_processor.process(seq, sampled[seq.seq_id])
-            if stopped_by_string:
-                self.scheduler.finish(seq, FinishReason.STOP)
+            delta, stop_string_verdict = self.output_processor.process(seq, sampled[seq.seq_id])
+            if stop_string_verdict is not None:
+                self.scheduler.finish(seq, stop_string_verdict.reason, stop_string_verdict.stop_reason)
             if state.first_token_time is None:
                 state.first_token_time = now
                 self.metrics.on_first_token(now - state.request.arrival_time, seq)

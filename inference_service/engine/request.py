@@ -58,3 +58,38 @@ class CompletionDelta:
     @property
     def is_last(self) -> bool:
         return self.usage is not None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One finished completion of an offline `LLMEngine.generate` call: its deltas put together."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # empty unless the request asked for them
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's `n` completions (by index) and its usage, from its deltas."""
+
+    request_id: str
+    completions: list[CompletionOutput]
+    usage: Usage | None = None
+
+    @classmethod
+    def empty(cls, request_id: str, n: int) -> RequestOutput:
+        return cls(request_id, [CompletionOutput(i) for i in range(n)])
+
+    def add(self, delta: CompletionDelta) -> None:
+        completion = self.completions[delta.index]
+        completion.token_ids += delta.token_ids
+        completion.text += delta.text
+        completion.logprobs += delta.logprobs or []
+        if delta.finish_reason is not None:
+            completion.finish_reason, completion.stop_reason = delta.finish_reason, delta.stop_reason
+        if delta.usage is not None:
+            self.usage = delta.usage

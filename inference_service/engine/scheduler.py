@@ -122,11 +122,11 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Appends the step's sampled tokens to their sequences.
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[int, int]) -> list[Sequence]:
+        """Appends the step's sampled tokens to their sequences and ends those a token stop rule ends.
 
-        `sampled` maps `seq_id` to the token sampled for it. Returns the sequences that received
-        a token (finished ones included, with their finish reason set and blocks freed); a
+        `sampled_token_ids` maps `seq_id` to the token id sampled for it. Returns the sequences that
+        received a token (finished ones included, with their finish reason set and blocks freed); a
         sequence preempted since the step was scheduled gets its token too.
         """
         advanced: list[Sequence] = []
@@ -135,20 +135,24 @@ class Scheduler:
             if not s.is_sampling or seq.is_finished:  # finished: aborted or stopped while the step ran
                 continue
             seq.num_pending_tokens -= 1
-            seq.append_token(sampled[seq.seq_id])
+            seq.append_token(sampled_token_ids[seq.seq_id])
             advanced.append(seq)
-            if seq.check_finished():
-                self.finish(seq, seq.finish_reason)
+            verdict = seq.check_stop()
+            if verdict is not None:
+                self.finish(seq, verdict.reason, verdict.stop_reason)
         return advanced
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Ends a sequence: frees its blocks and drops it from the queues."""
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        """Ends a sequence: frees its blocks, drops it from the queues and records why.
+
+        The one writer of a sequence's finish state. Called again on a sequence that ended by a token
+        rule in the same update, it replaces the reason: a stop string found in the text released at
+        the end is what the client sees (see `OutputProcessor.process`)."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        else:
-            return
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
+        if seq.status != SequenceStatus.FINISHED:
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason

@@ -25,6 +25,14 @@ class FinishReason(enum.Enum):
     ERROR = "error"
 
 
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """A stop check's verdict: why a sequence ends. Only `Scheduler.finish` records it on the sequence."""
+
+    reason: FinishReason
+    stop_reason: str | int | None = None  # the stop string or stop token id, when one ended it
+
+
 _seq_counter = itertools.count()
 
 
@@ -92,22 +100,18 @@ class Sequence:
         if self.grammar is not None:
             self.grammar.consume_token(token_id)
 
-    def check_finished(self) -> bool:
-        """Applies the token-level stop rules to the newest token; sets the finish reason."""
+    def check_stop(self) -> Finish | None:
+        """The token-level stop rules applied to the newest token: the verdict, or None to go on."""
         last = self.token_ids[-1]
         params = self.params
         if self.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
-                self.finish_reason, self.stop_reason = FinishReason.STOP, None
-                return True
+                return Finish(FinishReason.STOP)
             if last in params.stop_token_ids:
-                self.finish_reason, self.stop_reason = FinishReason.STOP, last
-                return True
+                return Finish(FinishReason.STOP, last)
         if self.grammar is not None and self.grammar.is_stopped():
             # The format is complete and admits nothing more (EOS included, under ignore_eos).
-            self.finish_reason, self.stop_reason = FinishReason.STOP, None
-            return True
+            return Finish(FinishReason.STOP)
         if len(self.token_ids) >= self.max_total_tokens:
-            self.finish_reason = FinishReason.LENGTH
-            return True
-        return False
+            return Finish(FinishReason.LENGTH)
+        return None

@@ -109,7 +109,7 @@ async def test_embedding_beside_generation_changes_neither(smollm):
                     metrics=EngineMetrics("test", registry=CollectorRegistry()))
     engine = AsyncEngine(llm)
     embedder = create_embedding_engine(smollm, device=CPU, dtype=torch.float32, max_model_len=llm.max_model_len,
-                                       run_on_model_thread=engine.run_on_engine_thread)
+                                       generation_engine=engine)
     engine.start()
     embedder.start()
     try:

@@ -107,14 +107,7 @@ def test_engine_generates_on_dummy_weights(tmp_path, dtype):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
     def generate(engine: LLMEngine, prompts: list[str]) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
-        for i, text in enumerate(prompts):
-            engine.add_request(engine.input_processor.process(f"r{i}", text, params))
-            out[f"r{i}"] = []
-        while engine.has_unfinished:
-            for delta in engine.step():
-                out[delta.request_id] += delta.token_ids
-        return out
+        return {f"r{i}": out.completions[0].token_ids for i, out in enumerate(engine.generate(prompts, params))}
 
     engines = [LLMEngine(config, metrics=EngineMetrics("t", registry=CollectorRegistry())) for _ in range(2)]
     prompts = ["a dummy prompt", "another, longer dummy prompt of bytes"]

@@ -44,24 +44,15 @@ def make_engine(loaded, num_blocks_mib: int = 64, async_scheduling: bool = False
 
 
 def run(engine: LLMEngine, prompts: list[str], params: SamplingParams | list[SamplingParams]) -> dict[str, dict]:
-    """Adds every prompt at once (with its own params if given a list) and steps until all
-    finish; returns tokens/text/finish/usage/logprobs by id."""
+    """`engine.generate` over every prompt at once (with its own params if given a list); returns
+    tokens/text/finish/usage/logprobs by id (r0, r1, ... in prompt order), each by completion index."""
     results: dict[str, dict] = {}
-    for i, text in enumerate(prompts):
-        request = engine.input_processor.process(f"r{i}", text, params[i] if isinstance(params, list) else params)
-        engine.add_request(request)
-        results[f"r{i}"] = {"tokens": {}, "text": {}, "finish": {}, "usage": None, "logprobs": {}}
-    while engine.has_unfinished:
-        for d in engine.step():
-            r = results[d.request_id]
-            r["tokens"].setdefault(d.index, []).extend(d.token_ids)
-            r["text"][d.index] = r["text"].get(d.index, "") + d.text
-            if d.finish_reason is not None:
-                r["finish"][d.index] = d.finish_reason
-            if d.usage is not None:
-                r["usage"] = d.usage
-            if d.logprobs:
-                r["logprobs"].setdefault(d.index, []).extend(d.logprobs)
+    for i, output in enumerate(engine.generate(prompts, params)):
+        r = results[f"r{i}"] = {"tokens": {}, "text": {}, "finish": {}, "usage": output.usage, "logprobs": {}}
+        for c in output.completions:
+            r["tokens"][c.index], r["text"][c.index], r["finish"][c.index] = c.token_ids, c.text, c.finish_reason
+            if c.logprobs:
+                r["logprobs"][c.index] = c.logprobs
     return results
 
 
@@ -119,8 +110,7 @@ def test_n_completions_share_prompt_blocks(loaded):
         assert seq.block_table[:num_full] == first_blocks
     for block_id in first_blocks:
         assert engine.block_manager.blocks[block_id].ref_count == 4
-    while engine.has_unfinished:
-        engine.step()
+    engine.run_until_idle()
     assert_all_blocks_free(engine)
 
 
@@ -179,8 +169,6 @@ def test_async_abort_while_a_step_is_in_flight(loaded):
     assert [(d.request_id, len(d.token_ids)) for d in first] == [("a", 1), ("b", 1)]
     [final] = engine.abort_request("a")
     assert final.finish_reason == FinishReason.ABORT and final.usage.completion_tokens == 1
-    later = []
-    while engine.has_unfinished:
-        later += engine.step()
+    later = engine.run_until_idle()
     assert {d.request_id for d in later} == {"b"} and later[-1].usage.completion_tokens == 30
     assert_all_blocks_free(engine)

@@ -1,0 +1,76 @@
+"""The embedding forward pass: token-id sequences in, one pooled vector each out.
+
+Encoders (BERT) run packed; decoders run a fresh prefill into a private scratch KV cache, so the
+paged cache of running generations is never touched."""
+
+from __future__ import annotations
+
+import torch
+
+from inference_service.attention.metadata import AttentionMetadata
+from inference_service.model.bert import PackedBatch
+from inference_service.model.loader import LoadedModel
+from inference_service.model.pooling import PoolingConfig, pool
+
+
+class EmbeddingModel:
+    """Pools a loaded model's hidden states; `embed_token_ids` is called on one thread at a time."""
+
+    def __init__(self, loaded: LoadedModel, *, device: torch.device, dtype: torch.dtype, pooling: PoolingConfig,
+                 max_batch_tokens: int, max_batch_size: int, block_size: int = 16):
+        self.loaded, self.model = loaded, loaded.model
+        self.device, self.dtype = device, dtype
+        self.pooling = pooling
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_size = max_batch_size
+        self.block_size = block_size
+        self._scratch_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # decoders only, made lazily
+
+    @torch.inference_mode()
+    def embed_token_ids(self, seqs: list[list[int]]) -> torch.Tensor:
+        """Pooled, not yet normalized embeddings of token-id sequences: [len(seqs), hidden] float32."""
+        lens = [len(s) for s in seqs]
+        input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=self.device)
+        if self.loaded.is_encoder:
+            batch = PackedBatch.build(lens, self.device)
+            hidden = self.model(input_ids, batch)  # [T, H]
+            return pool(hidden, batch.cu_seqlens, self.pooling.mode)
+        positions, metadata = self._decoder_metadata(lens)
+        hidden = self.model(input_ids, positions, self._scratch_cache(), metadata)  # [T, H]
+        return pool(hidden, metadata.query_start_loc_cpu, self.pooling.mode)
+
+    def _scratch_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The decoder's private KV cache: room for one full batch, each sequence in whole blocks."""
+        if self._scratch_kv is None:
+            num_blocks = -(-self.max_batch_tokens // self.block_size) + self.max_batch_size
+            shape = self.model.kv_cache_shape(num_blocks, self.block_size)
+            self._scratch_kv = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+                                for _ in range(self.loaded.config.num_hidden_layers)]
+        return self._scratch_kv
+
+    def _decoder_metadata(self, lens: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """A fresh prefill of every sequence into consecutive scratch blocks (no cached prefix)."""
+        bs, dev = self.block_size, self.device
+        blocks_per_seq = [-(-n // bs) for n in lens]
+        max_blocks = max(blocks_per_seq)
+        block_tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
+        positions, slots, first_block, cu = [], [], 0, [0]
+        for i, (n, num_blocks) in enumerate(zip(lens, blocks_per_seq)):
+            block_tables[i, :num_blocks] = torch.arange(first_block, first_block + num_blocks)
+            pos = torch.arange(n)
+            positions.append(pos)
+            slots.append(first_block * bs + pos)  # the sequence's blocks are consecutive
+            first_block += num_blocks
+            cu.append(cu[-1] + n)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(dev),
+            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev),
+            max_query_len=max(lens),
+            max_seq_len=max(lens),
+            query_start_loc_cpu=cu,
+            seq_lens_cpu=list(lens),
+        )
+        return torch.cat(positions).to(dev), metadata
