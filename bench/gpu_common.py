@@ -36,14 +36,7 @@ def make_engine(model: str | None, device: str, dtype: str, *, load_format: str 
 
 def generate(engine: LLMEngine, prompts: list, params: SamplingParams) -> list[list[int]]:
     """All prompts at once; the output token ids of each."""
-    out: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        engine.add_request(engine.input_processor.process(f"r{i}", prompt, params))
-        out[f"r{i}"] = []
-    while engine.has_unfinished:
-        for delta in engine.step():
-            out[delta.request_id] += delta.token_ids
-    return [out[f"r{i}"] for i in range(len(prompts))]
+    return [output.completions[0].token_ids for output in engine.generate(prompts, params)]
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
