@@ -28,7 +28,11 @@ import numpy as np
 import torch
 
 from inference_service.engine.logits_processors import (
-    LogitBias, LogitsProcessor, Penalties, build_format_mask, build_min_tokens_mask,
+    LogitBias,
+    LogitsProcessor,
+    Penalties,
+    build_format_mask,
+    build_min_tokens_mask,
 )
 from inference_service.engine.sampler import SamplingBatch, Selection
 from inference_service.engine.sampling_params import SamplingParams
