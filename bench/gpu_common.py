@@ -69,8 +69,8 @@ class HostTimer:
 
 
 class GpuStepTimer:
-    """Wraps `engine.model_runner.launch` to time each step's device work with CUDA events: from the
-    first copy of its inputs starting on the GPU to its sampled ids' copy to the host. A GPU-bound
+    """Wraps `engine.model_runner.execute_model` and `sample_tokens` to time each step's device work with
+    CUDA events: from the first copy of its inputs starting on the GPU to its sampled ids' copy to the host. A GPU-bound
     loop has step wall times equal to these; a host-bound one leaves the GPU idle in between.
     `kinds` labels each step "decode" (one token a sequence) or "mixed" (a prefill in it)."""
 
@@ -79,20 +79,24 @@ class GpuStepTimer:
         self.kinds: list[str] = []
         self.num_seqs: list[int] = []
         runner = engine.model_runner
-        launch = runner.launch
+        execute_model, sample_tokens = runner.execute_model, runner.sample_tokens
 
-        def timed_launch(scheduled, *args, **kwargs):
+        def timed_execute_model(scheduled, *args, **kwargs):
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-            out = launch(scheduled, *args, **kwargs)
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.events.append((start, end))
+            self._start = start
             self.kinds.append("decode" if all(s.num_new_tokens == 1 for s in scheduled) else "mixed")
             self.num_seqs.append(len(scheduled))
+            return execute_model(scheduled, *args, **kwargs)
+
+        def timed_sample_tokens(forward):
+            out = sample_tokens(forward)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events.append((self._start, end))
             return out
 
-        runner.launch = timed_launch
+        runner.execute_model, runner.sample_tokens = timed_execute_model, timed_sample_tokens
 
     def clear(self) -> None:
         self.events.clear()

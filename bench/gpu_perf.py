@@ -28,7 +28,7 @@ from gpu_common import HostTimer, weight_bytes_per_step
 from inference_service.engine.gc_heap import freeze_startup_heap
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.model_runner import LaunchedStep
-from inference_service.engine.sampler import SamplingBatch
+from inference_service.engine.sampling_state import SamplingState
 from inference_service.engine.sampling_params import SamplingParams
 from inference_service.model.loader import load_model
 
@@ -107,8 +107,8 @@ def _cpu_step(loaded, results: dict, steps: int, is_async: bool) -> None:
     engine.update_from_output = timer.wrap("update_from_output", engine.update_from_output)
     runner.sampler.sample = timer.wrap("sample_launch", runner.sampler.sample)
     gpu_timer = common.GpuStepTimer(engine) if common.DEVICE != "cpu" else None
-    original_build, original_result = SamplingBatch.build, LaunchedStep.result
-    SamplingBatch.build = timer.wrap("sampling_batch_build", original_build)
+    original_build, original_result = SamplingState.batch, LaunchedStep.result
+    SamplingState.batch = timer.wrap("sampling_batch_build", original_build)
     LaunchedStep.result = timer.wrap("wait_for_gpu", original_result)
     try:
         for num_seqs in (1, 256):
@@ -136,7 +136,7 @@ def _cpu_step(loaded, results: dict, steps: int, is_async: bool) -> None:
             print(f"cpu step at {num_seqs} (async {is_async}):", results[key], flush=True)
             engine.run_until_idle()
     finally:
-        SamplingBatch.build, LaunchedStep.result = original_build, original_result
+        SamplingState.batch, LaunchedStep.result = original_build, original_result
     del engine
     free_device_memory()
 

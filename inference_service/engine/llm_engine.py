@@ -35,7 +35,6 @@ class _InFlightStep:
     sched_out: SchedulerOutput
     launched: LaunchedStep
     start_time: float
-    needs_previous_token: bool  # a sampling sequence needs this step's tokens on the host first (history, format)
 
 
 @dataclass
@@ -180,16 +179,15 @@ class LLMEngine:
         """Schedules and launches a step; returns the deltas of the step(s) resolved meanwhile:
         this one without async scheduling, else the one launched by the previous call."""
         deltas = []
-        if self._in_flight is not None and self._in_flight.needs_previous_token:
-            deltas = self.wait_for_in_flight_step()  # penalties and formats read every token: none may be pending
         sched_out = self.scheduler.schedule()
         launched = None
         if not sched_out.is_empty:
             start = time.perf_counter()
-            step_handle = self.model_runner.launch(sched_out.scheduled, self._in_flight and self._in_flight.launched)
-            needs_previous_token = any(s.is_sampling and s.seq.params.needs_previous_token
-                                       for s in sched_out.scheduled)
-            launched = _InFlightStep(sched_out, step_handle, start, needs_previous_token)
+            forward = self.model_runner.execute_model(sched_out.scheduled, self._in_flight and self._in_flight.launched)
+            if forward.waits_for_previous_step:
+                # Formats' matchers take the previous token on the host: the forward is queued meanwhile.
+                deltas = self.wait_for_in_flight_step()
+            launched = _InFlightStep(sched_out, self.model_runner.sample_tokens(forward), start)
         deltas += self.wait_for_in_flight_step()
         self._in_flight = launched
         if not self.is_async_scheduling:

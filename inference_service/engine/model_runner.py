@@ -1,4 +1,8 @@
-"""Turns a scheduled step into tensors, runs the model over the paged KV cache and samples."""
+"""Turns a scheduled step into tensors, runs the model over the paged KV cache and samples.
+
+A step is two calls (vLLM's execute_model / sample_tokens split): `execute_model` queues the forward,
+`sample_tokens` the sampling. Between them the engine may process the previous step's outputs
+(structured-output rows need its token on the host), while the device already runs the forward."""
 
 from __future__ import annotations
 
@@ -11,8 +15,10 @@ from inference_service.attention.metadata import AttentionMetadata
 from inference_service.config import EngineConfig
 from inference_service.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from inference_service.engine.kv_cache import KVCacheSpec, allocate_kv_caches, profile_activation_bytes
-from inference_service.engine.sampler import PendingSample, Sampler, SamplingBatch
+from inference_service.engine.sampler import PendingSample, Sampler
+from inference_service.engine.sampling_state import SamplingRows, SamplingState
 from inference_service.engine.scheduler import ScheduledSeq
+from inference_service.engine.sequence import Sequence
 from inference_service.engine.step_inputs import PendingTokenIds, StepInputs
 from inference_service.engine.transfer import to_device
 from inference_service.model.loader import LoadedModel
@@ -25,6 +31,17 @@ class SampledToken:
     token_id: int
     logprob: float | None
     top_logprobs: list[tuple[int, float]] | None
+
+
+@dataclass(slots=True)
+class ForwardStep:
+    """A step whose forward is queued on the device, its sampling not yet."""
+
+    seqs: list[Sequence]  # the sampling sequences, one logits row each
+    logits: torch.Tensor | None  # [len(seqs), vocab] float32
+    # A row's format mask needs the step in flight's tokens on the host: process that step's
+    # outputs before `sample_tokens` (the forward is queued already).
+    waits_for_previous_step: bool
 
 
 class LaunchedStep:
@@ -76,6 +93,9 @@ class ModelRunner:
         self.inputs = StepInputs(sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks_per_seq,
                                  self.block_size, device)
         self.sampler = Sampler()
+        self.sampling_state = SamplingState(sched.max_num_seqs, loaded.config.vocab_size, device)
+        self.sampling_rows = SamplingRows(self.sampling_state)
+        self.num_sampling_waits = 0  # steps whose sampling waited for the step before (formats)
         self.graphs: DecodeGraphs | None = None
         if graph_batch:
             vocab = loaded.config.vocab_size
@@ -83,14 +103,12 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self._forward_into_graph_logits, self.inputs, capture_sizes(graph_batch),
                                        self.max_seq_tokens, device)
 
-    def run(self, scheduled: list[ScheduledSeq]) -> dict[int, SampledToken]:
-        """Computes one step; returns the sampled token of every sequence that samples, by seq_id."""
-        return self.launch(scheduled).result()
-
     @torch.inference_mode()
-    def launch(self, scheduled: list[ScheduledSeq], in_flight: LaunchedStep | None = None) -> LaunchedStep:
-        """Queues one step on the device without waiting for it, nor for `in_flight`, the step
-        before it, whose sampled ids feed this step's pending tokens on the GPU."""
+    def execute_model(self, scheduled: list[ScheduledSeq], in_flight: LaunchedStep | None = None) -> ForwardStep:
+        """Queues one step's forward on the device without waiting for it, nor for `in_flight`, the
+        step before it, whose sampled ids feed this step's pending tokens on the GPU. Sample it with
+        `sample_tokens`, after the step in flight's outputs are processed where
+        `ForwardStep.waits_for_previous_step` says so."""
         num_seqs = len(scheduled)
         padded = self._graph_size(scheduled)
         pending = None if in_flight is None else in_flight.pending
@@ -99,13 +117,13 @@ class ModelRunner:
         if padded is not None:
             logits = self.graphs.replay(padded)[:num_seqs]  # [S, vocab], one row a sequence
             if not rows:
-                return LaunchedStep([], None)
+                return ForwardStep([], None, False)
             if len(rows) < num_seqs:  # a one-token prefill chunk short of its prompt's end
                 logits = logits[to_device(rows, torch.long, self.device)]
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
             if not rows:
-                return LaunchedStep([], None)
+                return ForwardStep([], None, False)
             if len(rows) == num_seqs == hidden.shape[0]:
                 last_hidden = hidden  # one token a sequence, and every one samples
             else:
@@ -113,18 +131,28 @@ class ModelRunner:
                 last_hidden = hidden[to_device(last_rows, torch.long, self.device)]
             logits = self.model.compute_logits(last_hidden)  # [num_sampling, vocab]
         seqs = [scheduled[i].seq for i in rows]
-        histories = [_token_history(seq) for seq in seqs]
-        batch = SamplingBatch.build(
-            params=[seq.params for seq in seqs],
-            prompt_token_ids=[h[0] for h in histories],
-            output_token_ids=[h[1] for h in histories],
-            generators=[seq.generator for seq in seqs],
-            device=self.device,
-            eos_token_ids=[seq.eos_token_ids for seq in seqs],
-            grammars=[seq.grammar for seq in seqs],
-            vocab_size=logits.shape[-1],
+        self.sampling_rows.update(seqs)
+        # Only a format's matcher needs the previous token on the host: penalties read the device history.
+        waits = in_flight is not None and in_flight.pending is not None and any(
+            seq.grammar is not None for seq in seqs)
+        self.num_sampling_waits += waits
+        return ForwardStep(seqs, logits, waits)
+
+    @torch.inference_mode()
+    def sample_tokens(self, forward: ForwardStep) -> LaunchedStep:
+        """Queues the sampling of a forward step's logits; returns at once."""
+        seqs = forward.seqs
+        if not seqs:
+            return LaunchedStep([], None)
+        batch = self.sampling_state.batch(
+            self.sampling_rows.slots(seqs),
+            # Outputs so far: those on the host and those pending, less the one this step samples.
+            [len(seq.token_ids) + seq.num_pending_tokens - 1 - seq.num_prompt_tokens for seq in seqs],
+            [seq.grammar for seq in seqs],
         )
-        return LaunchedStep([seq.seq_id for seq in seqs], self.sampler.sample(logits, batch))
+        sample = self.sampler.sample(forward.logits, batch)
+        self.sampling_state.record_sampled(batch, sample.token_ids)
+        return LaunchedStep([seq.seq_id for seq in seqs], sample)
 
     def _graph_size(self, scheduled: list[ScheduledSeq]) -> int | None:
         """The captured batch size this step replays at, or None to run it eagerly."""
@@ -140,18 +168,3 @@ class ModelRunner:
         out = self._graph_logits[:input_ids.shape[0]]
         out.copy_(self.model.compute_logits(hidden))
         return out
-
-
-def _token_history(seq) -> tuple[list[int], list[int]]:
-    """(prompt, output) token ids as far as the sequence's sampling reads them.
-
-    NOTE: slicing a long prompt every step for every row is the hot path's largest Python cost, and
-    only penalties and min_tokens look at the history; other rows get empty lists."""
-    p = seq.params
-    if not p.needs_output_history:
-        return [], []
-    # The only pending token may be the one this step samples: the step before must be resolved.
-    assert seq.num_pending_tokens == 1, f"sequence {seq.seq_id} samples from an incomplete history"
-    if p.repetition_penalty != 1.0:
-        return seq.prompt_token_ids, seq.output_token_ids
-    return [], seq.output_token_ids

@@ -4,7 +4,8 @@ Processing order (each step only runs when some row needs it)::
 
     raw logits ──> logprobs (log_softmax of the raw logits, rows that asked)
         │
-        ├─ format mask ─> logit_bias ─> min_tokens mask ─> repetition penalty ─> frequency/presence penalties
+        ├─ logits processors (logits_processors.ORDER): format mask ─> logit_bias ─> min_tokens mask
+        │                                               ─> repetition penalty ─> frequency/presence penalties
         │
         ├─ greedy rows:  argmax
         └─ sampled rows: / temperature ─> top-k ─> top-p ─> min-p ─> softmax ─> argmax(probs / Exp(1) noise)
@@ -12,14 +13,11 @@ Processing order (each step only runs when some row needs it)::
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from inference_service.engine.sampling_params import SamplingParams
-from inference_service.engine.structured_output import token_bitmask, unpack_bitmask
+from inference_service.engine.logits_processors import LogitsProcessor, apply_processors
 from inference_service.engine.transfer import HostCopy, to_device
 
 # Exponential noise of exactly 0 would divide by zero; any tiny positive floor is unbiased enough.
@@ -54,147 +52,42 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
-def _flatten(rows: list[int], lists: list[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index [M], token id [M]) int64 tensors listing `lists[j]` for row `rows[j]`."""
-    row_ids = [row for row, ids in zip(rows, lists) for _ in range(len(ids))]
-    token_ids = [t for ids in lists for t in ids]
-    return to_device(row_ids, torch.long, device), to_device(token_ids, torch.long, device)
+@dataclass(slots=True)
+class Selection:
+    """What the rows drawn at random are drawn with (the other rows take the argmax)."""
 
-
-@dataclass
-class SamplingBatch:
-    """Per-row sampling parameters of one step as tensors. Build with `SamplingBatch.build`.
-
-    Optional fields are None when no row needs that step, so an all-greedy batch with no
-    penalties costs only an argmax.
-    """
-
-    num_rows: int
-    all_greedy: bool
-    sampled_rows: list[int]  # rows drawn at random
-    # --- logits processors (None = no row needs it) ---
-    format_mask: tuple[torch.Tensor, torch.Tensor] | None  # rows [R], allowed tokens [R, V] bool
-    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows [M], token ids [M], values [M] f32
-    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # rows [M], token ids [M] to set to -inf
-    repetition: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # penalty [N, 1], rows [M], ids [M]
-    # frequency [N, 1], presence [N, 1], rows [M], output token ids [M] (repeats counted)
-    freq_presence: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
-    # --- sampled rows only, indexed like `sampled_rows` ---
-    temperature: torch.Tensor | None  # [S, 1] f32
-    top_k: torch.Tensor | None  # [S] int64, 0 = off; None when no sampled row uses top-k
-    max_top_k: int  # the largest top_k of a sampled row (0 when none)
+    rows: list[int]  # [S] batch rows drawn at random
+    row_ids: torch.Tensor | None  # [S] int64 `rows` on the device; None when every row is drawn
+    temperature: torch.Tensor  # [S, 1] f32
+    top_k: torch.Tensor | None  # [S] int64, 0 = off; None when no row uses top-k
+    max_top_k: int  # the largest top_k (0 when none)
     top_p: torch.Tensor | None  # [S] f32; None when all are 1
     min_p: torch.Tensor | None  # [S] f32; None when all are 0
     generators: list[torch.Generator | None]  # [S]
-    # --- logprobs ---
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """One step's sampling inputs, row i the i-th sampling sequence. Built by `SamplingState.batch`.
+
+    An all-greedy batch with no processors costs only an argmax."""
+
+    num_rows: int
+    processors: list[LogitsProcessor]  # in `logits_processors.ORDER`, only those some row needs
+    selection: Selection | None  # None: every row greedy
     logprob_rows: list[int]  # rows that asked for logprobs
     num_top_logprobs: list[int]  # per entry of `logprob_rows`
+    # (batch rows [K] or None for all, their slots [K]) whose output history gets the sampled token
+    history: tuple[torch.Tensor | None, torch.Tensor] | None = None
 
-    @classmethod
-    def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
-              output_token_ids: list[list[int]], generators: list[torch.Generator | None],
-              device: torch.device | str = "cpu",
-              eos_token_ids: Collection[int] | Sequence[Collection[int]] = (),
-              grammars: Sequence[Any] | None = None, vocab_size: int = 0) -> SamplingBatch:
-        """Turns row i's `params[i]`, token history and generator into batch tensors.
-
-        `eos_token_ids` is either one collection shared by all rows or one per row; with
-        `stop_token_ids` they are masked while a row has fewer than `min_tokens` outputs
-        (EOS ids are not masked for `ignore_eos` rows, which EOS does not end). `grammars[i]` is row
-        i's structured-output matcher or None; `vocab_size` is the logits width they mask.
-        """
-        n = len(params)
-        assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == n
-        if eos_token_ids and all(isinstance(t, int) for t in eos_token_ids):
-            eos_per_row = [eos_token_ids] * n
-        else:
-            eos_per_row = list(eos_token_ids) or [()] * n
-        greedy = [p.is_greedy for p in params]
-        sampled = [i for i in range(n) if not greedy[i]]
-
-        bias_rows, bias_ids, bias_vals = [], [], []
-        mask_rows, mask_lists = [], []
-        rep_rows, rep_lists = [], []
-        fp_rows, fp_lists = [], []
-        for i, p in enumerate(params):
-            if p.logit_bias:
-                for token_id, value in p.logit_bias.items():
-                    bias_rows.append(i)
-                    bias_ids.append(token_id)
-                    bias_vals.append(value)
-            if len(output_token_ids[i]) < p.min_tokens:
-                banned = set(p.stop_token_ids)
-                if not p.ignore_eos:
-                    banned.update(eos_per_row[i])
-                if banned:
-                    mask_rows.append(i)
-                    mask_lists.append(sorted(banned))
-            if p.repetition_penalty != 1.0:
-                rep_rows.append(i)
-                # NOTE: duplicates are harmless: the mask is set, not accumulated.
-                rep_lists.append(list(prompt_token_ids[i]) + list(output_token_ids[i]))
-            if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and output_token_ids[i]:
-                fp_rows.append(i)
-                fp_lists.append(output_token_ids[i])
-
-        format_mask = None
-        format_rows = [i for i, g in enumerate(grammars or ()) if g is not None]
-        if format_rows:
-            bitmask = token_bitmask([grammars[i] for i in format_rows], vocab_size).to(device)  # [R, W]
-            format_mask = (to_device(format_rows, torch.long, device), unpack_bitmask(bitmask, vocab_size))
-        bias = None
-        if bias_rows:
-            bias = (to_device(bias_rows, torch.long, device), to_device(bias_ids, torch.long, device),
-                    to_device(bias_vals, torch.float32, device))
-        min_tokens_mask = _flatten(mask_rows, mask_lists, device) if mask_rows else None
-        repetition = None
-        if rep_rows:
-            penalty = to_device([[p.repetition_penalty] for p in params], torch.float32, device)
-            repetition = (penalty, *_flatten(rep_rows, rep_lists, device))
-        freq_presence = None
-        if fp_rows:
-            freq = to_device([[p.frequency_penalty] for p in params], torch.float32, device)
-            pres = to_device([[p.presence_penalty] for p in params], torch.float32, device)
-            freq_presence = (freq, pres, *_flatten(fp_rows, fp_lists, device))
-
-        temperature = top_k = top_p = min_p = None
-        max_top_k = 0
-        if sampled:
-            sp = [params[i] for i in sampled]
-            temperature = to_device([[p.temperature] for p in sp], torch.float32, device)
-            max_top_k = max(p.top_k for p in sp)
-            if max_top_k > 0:
-                top_k = to_device([p.top_k for p in sp], torch.long, device)
-            if any(p.top_p < 1.0 for p in sp):
-                top_p = to_device([p.top_p for p in sp], torch.float32, device)
-            if any(p.min_p > 0.0 for p in sp):
-                min_p = to_device([p.min_p for p in sp], torch.float32, device)
-
-        logprob_rows = [i for i, p in enumerate(params) if p.logprobs]
-        return cls(
-            num_rows=n,
-            all_greedy=not sampled,
-            sampled_rows=sampled,
-            format_mask=format_mask,
-            bias=bias,
-            min_tokens_mask=min_tokens_mask,
-            repetition=repetition,
-            freq_presence=freq_presence,
-            temperature=temperature,
-            top_k=top_k,
-            max_top_k=max_top_k,
-            top_p=top_p,
-            min_p=min_p,
-            generators=[generators[i] for i in sampled],
-            logprob_rows=logprob_rows,
-            num_top_logprobs=[params[i].top_logprobs for i in logprob_rows],
-        )
+    @property
+    def all_greedy(self) -> bool:
+        return self.selection is None
 
     @property
     def needs_processing(self) -> bool:
         """Whether any logits processor runs before greedy/sampled selection."""
-        return (self.format_mask is not None or self.bias is not None or self.min_tokens_mask is not None
-                or self.repetition is not None or self.freq_presence is not None)
+        return bool(self.processors)
 
 
 @dataclass
@@ -232,33 +125,12 @@ class PendingSample:
 
 
 def apply_penalties_and_masks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Structured-output masks, logit bias, min_tokens masking and repetition/frequency/presence penalties.
+    """Runs the batch's logits processors (formats, logit bias, min_tokens, penalties) in order.
 
     logits: [N, V] float32, a copy the caller owns (it may be modified in place); returns the
     processed logits.
     """
-    num_rows, vocab_size = logits.shape
-    if batch.format_mask is not None:
-        rows, allowed = batch.format_mask  # [R], [R, V]
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-    if batch.bias is not None:
-        rows, ids, values = batch.bias
-        logits.index_put_((rows, ids), values, accumulate=True)
-    if batch.min_tokens_mask is not None:
-        rows, ids = batch.min_tokens_mask
-        logits[rows, ids] = float("-inf")
-    if batch.repetition is not None:
-        penalty, rows, ids = batch.repetition  # [N, 1], [M], [M]
-        seen = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=logits.device)  # [N, V]
-        seen[rows, ids] = True
-        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)  # [N, V]
-        logits = torch.where(seen, penalized, logits)
-    if batch.freq_presence is not None:
-        freq, pres, rows, ids = batch.freq_presence
-        counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=logits.device)  # [N, V]
-        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
-        logits -= freq * counts + pres * (counts > 0).float()
-    return logits
+    return apply_processors(logits, batch.processors)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
@@ -338,32 +210,36 @@ class Sampler:
         if batch.needs_processing:
             logits = apply_penalties_and_masks(logits.clone(), batch)
 
-        token_ids = argmax_rows(logits)  # [N]
-        if not batch.all_greedy:
-            sampled = self._sample(logits, batch)  # [S]
-            rows = to_device(batch.sampled_rows, torch.long, logits.device)
-            token_ids = token_ids.index_copy(0, rows, sampled)
+        selection = batch.selection
+        if selection is None:
+            token_ids = argmax_rows(logits)  # [N]
+        elif selection.row_ids is None:
+            token_ids = self._sample(logits, selection)  # [N], every row drawn
+        else:
+            token_ids = argmax_rows(logits).index_copy(0, selection.row_ids, self._sample(logits, selection))
         if not batch.logprob_rows:
             return PendingSample(token_ids, batch)
         return PendingSample(token_ids, batch, *self._logprobs(raw_logits, token_ids, batch))
 
     @staticmethod
-    def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _sample(logits: torch.Tensor, selection: Selection) -> torch.Tensor:
         """Draws one token per sampled row; returns [S] int64."""
-        if len(batch.sampled_rows) < batch.num_rows:
+        if selection.row_ids is not None:
             # NOTE: advanced indexing; index_select along rows is an order of magnitude slower on CPU.
-            logits = logits[to_device(batch.sampled_rows, torch.long, logits.device)]
-        scaled = logits / batch.temperature  # [S, V]
-        scaled = apply_top_k_top_p_min_p(scaled, batch.top_k, batch.top_p, batch.min_p, batch.max_top_k)
+            logits = logits[selection.row_ids]
+        scaled = logits / selection.temperature  # [S, V]
+        scaled = apply_top_k_top_p_min_p(scaled, selection.top_k, selection.top_p, selection.min_p,
+                                         selection.max_top_k)
         probs = scaled.softmax(dim=-1)  # [S, V]
         # argmax(p / q) with q ~ Exp(1) picks token i with probability p_i (exponential race).
         # NOTE: -log(1 - U) is Exp(1) and is several times faster than exponential_() on CPU.
         uniform = torch.empty_like(probs)  # [S, V]
-        unseeded = [j for j, g in enumerate(batch.generators) if g is None]
-        if len(unseeded) == len(batch.generators):
+        generators = selection.generators
+        unseeded = [j for j, g in enumerate(generators) if g is None]
+        if len(unseeded) == len(generators):
             uniform.uniform_()
         else:
-            for j, generator in enumerate(batch.generators):
+            for j, generator in enumerate(generators):
                 if generator is not None:
                     uniform[j].uniform_(generator=generator)
             if unseeded:

@@ -148,18 +148,6 @@ class SamplingParams:
         """Whether the next token is always the (processed) argmax: temperature ~0 or top_k == 1."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
-    @property
-    def needs_output_history(self) -> bool:
-        """Whether sampling reads the tokens generated so far (penalties, min_tokens)."""
-        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or self.min_tokens > 0)
-
-    @property
-    def needs_previous_token(self) -> bool:
-        """Whether a step sampling for this request needs the previous step's token on the host before it
-        is launched: for the output history, or for a format's matcher (fed every token)."""
-        return self.needs_output_history or self.structured_output is not None
-
     def validate_for_model(self, vocab_size: int, max_model_len: int | None = None,
                            num_prompt_tokens: int | None = None) -> None:
         """Checks what depends on the served model: token ids must be below `vocab_size`, and

@@ -4,8 +4,9 @@ A format (`StructuredOutputSpec`: a JSON schema, any JSON object, a regular expr
 grammar) is compiled by llguidance into a matcher per sequence. Each step, before sampling, the
 matcher gives the set of tokens that keep the output a prefix of a match (EOS only once it is a
 whole match); the sampler sets every other logit to -inf. The sampled token is then fed back
-(`Sequence.append_token`). Masks are computed on the host from the newest token, so a step
-holding a constrained sequence waits for the step before it (`SamplingParams.needs_previous_token`).
+(`Sequence.append_token`). Masks are computed on the host from the newest token, so the sampling
+of a step holding a constrained sequence waits for the step before it; its forward does not
+(`ForwardStep.waits_for_previous_step` in model_runner.py).
 
 llguidance is imported only when the first constrained request arrives.
 """

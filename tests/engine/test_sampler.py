@@ -18,6 +18,7 @@ from inference_service.engine.sampler import (
     make_generator,
 )
 from inference_service.engine.sampling_params import SamplingParams
+from inference_service.engine.sampling_state import SamplingState
 
 NEG_INF = float("-inf")
 
@@ -100,6 +101,20 @@ def random_case(rng: random.Random, num_rows: int, vocab: int, **overrides):
     return params, prompts, outputs, logits
 
 
+def make_batch(params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]],
+               generators: list, vocab: int, eos_token_ids=()) -> SamplingBatch:
+    """Row i (params, prompt, output so far, generator) written into a fresh `SamplingState`, then
+    gathered as one step's batch. `eos_token_ids`: one collection of ids for all rows, or one per row."""
+    n = len(params)
+    if eos_token_ids and all(isinstance(t, int) for t in eos_token_ids):
+        eos_per_row = [eos_token_ids] * n
+    else:
+        eos_per_row = list(eos_token_ids) or [()] * n
+    state = SamplingState(n, vocab)
+    slots = [state.add_row(*row) for row in zip(params, prompts, outputs, generators, eos_per_row)]
+    return state.batch(slots, [len(out) for out in outputs])
+
+
 # ---------------------------------------------------------------- processing and greedy
 @pytest.mark.parametrize("trial", range(5))
 def test_penalties_and_masks_match_reference(trial):
@@ -107,7 +122,7 @@ def test_penalties_and_masks_match_reference(trial):
     vocab, n = rng.choice([(50, 9), (301, 16)])
     params, prompts, outputs, logits = random_case(rng, n, vocab)
     eos = [set(rng.sample(range(vocab), rng.choice([1, 2]))) for _ in range(n)]
-    batch = SamplingBatch.build(params, prompts, outputs, [None] * n, "cpu", eos_token_ids=eos)
+    batch = make_batch(params, prompts, outputs, [None] * n, vocab, eos_token_ids=eos)
     got = apply_penalties_and_masks(logits.clone(), batch).tolist()
     for i in range(n):
         want = ref_process(logits[i].tolist(), params[i], prompts[i], outputs[i], eos[i])
@@ -124,7 +139,7 @@ def test_shared_eos_ids_and_min_tokens():
               SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[4], ignore_eos=True),
               SamplingParams(temperature=0, min_tokens=2)]
     outputs = [[1], [1], [1, 2]]  # rows 0 and 1 are short of min_tokens, row 2 is not
-    batch = SamplingBatch.build(params, [[]] * 3, outputs, [None] * 3, eos_token_ids=frozenset({7}))
+    batch = make_batch(params, [[]] * 3, outputs, [None] * 3, vocab, eos_token_ids=frozenset({7}))
     assert Sampler()(logits, batch).token_ids == [0, 7, 7]
 
 
@@ -134,7 +149,7 @@ def test_greedy_is_argmax_of_processed_logits(trial):
     vocab, n = 257, 12
     params, prompts, outputs, logits = random_case(rng, n, vocab, temperature=0.0)
     eos = {rng.randrange(vocab)}
-    batch = SamplingBatch.build(params, prompts, outputs, [None] * n, eos_token_ids=eos)
+    batch = make_batch(params, prompts, outputs, [None] * n, vocab, eos_token_ids=eos)
     before = logits.clone()
     out = Sampler()(logits, batch)
     assert torch.equal(logits, before)  # the input is never modified
@@ -147,9 +162,9 @@ def test_all_greedy_fast_path():
     n, vocab = 6, 1000
     logits = torch.randn(n, vocab)
     params = [SamplingParams(temperature=0.0), SamplingParams(top_k=1)] * 3
-    batch = SamplingBatch.build(params, [[1, 2]] * n, [[3]] * n, [None] * n)
-    assert batch.all_greedy and not batch.needs_processing and not batch.sampled_rows
-    assert batch.temperature is None and batch.repetition is None and not batch.logprob_rows
+    batch = make_batch(params, [[1, 2]] * n, [[3]] * n, [None] * n, vocab)
+    assert batch.all_greedy and not batch.needs_processing and batch.selection is None
+    assert batch.processors == [] and batch.history is None and not batch.logprob_rows
     out = Sampler()(logits, batch)
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.logprobs == [None] * n and out.top_logprobs == [None] * n
@@ -181,9 +196,10 @@ def test_top_k_top_p_min_p_masks_match_reference(trial):
     params = [random_params(rng, vocab, temperature=rng.choice([0.3, 1.0, 2.0]), top_k=rng.choice([0, 2, 3, 17]))
               for _ in range(n)]
     logits = torch.randn(n, vocab) * 2
-    batch = SamplingBatch.build(params, [[]] * n, [[]] * n, [None] * n)
-    scaled = logits / batch.temperature
-    masked = apply_top_k_top_p_min_p(scaled.clone(), batch.top_k, batch.top_p, batch.min_p)
+    batch = make_batch(params, [[]] * n, [[]] * n, [None] * n, vocab)
+    sel = batch.selection
+    scaled = logits / sel.temperature
+    masked = apply_top_k_top_p_min_p(scaled.clone(), sel.top_k, sel.top_p, sel.min_p)
     checked = 0
     for i in range(n):
         want = ref_allowed(logits[i].tolist(), params[i])
@@ -206,8 +222,9 @@ def test_top_p_cutoff_deep_in_a_flat_distribution():
     logits[2] *= 0.3
     params = [SamplingParams(top_p=0.95), SamplingParams(top_p=0.7), SamplingParams(top_p=0.5, top_k=2000),
               SamplingParams(top_p=1.0, min_p=0.2)]
-    batch = SamplingBatch.build(params, [[]] * 4, [[]] * 4, [None] * 4)
-    masked = apply_top_k_top_p_min_p(logits.clone(), batch.top_k, batch.top_p, batch.min_p)
+    batch = make_batch(params, [[]] * 4, [[]] * 4, [None] * 4, vocab)
+    sel = batch.selection
+    masked = apply_top_k_top_p_min_p(logits.clone(), sel.top_k, sel.top_p, sel.min_p)
     for i, p in enumerate(params):
         want = ref_allowed(logits[i].tolist(), p)
         if want is not None:
@@ -221,7 +238,7 @@ def test_sampled_tokens_stay_in_allowed_set():
     base = torch.randn(vocab) * 2
     params = [SamplingParams(temperature=1.3, top_k=rng.choice([0, 5, 9]), top_p=rng.choice([1.0, 0.6]),
                              min_p=rng.choice([0.0, 0.1])) for _ in range(n)]
-    out = Sampler()(base.expand(n, vocab).contiguous(), SamplingBatch.build(params, [[]] * n, [[]] * n, [None] * n))
+    out = Sampler()(base.expand(n, vocab).contiguous(), make_batch(params, [[]] * n, [[]] * n, [None] * n, vocab))
     for p, token in zip(params, out.token_ids):
         allowed = ref_allowed(base.tolist(), p)
         assert allowed is None or token in allowed
@@ -233,7 +250,7 @@ def test_logprobs_are_raw_log_softmax(trial):
     rng = random.Random()
     vocab, n = 300, 10
     params, prompts, outputs, logits = random_case(rng, n, vocab)
-    batch = SamplingBatch.build(params, prompts, outputs, [None] * n, eos_token_ids=[0])
+    batch = make_batch(params, prompts, outputs, [None] * n, vocab, eos_token_ids=[0])
     out = Sampler()(logits, batch)
     for i, p in enumerate(params):
         if not p.logprobs:
@@ -268,7 +285,7 @@ def _run_seeded(target: SamplingParams, position: int, batch_size: int, logit_st
         logits[position] = step_logits
         outputs = [[rng.randrange(vocab) for _ in range(3)] for _ in range(batch_size)]
         outputs[position] = list(tokens)
-        batch = SamplingBatch.build(params, [[1, 2, 3]] * batch_size, outputs, gens, eos_token_ids=[0])
+        batch = make_batch(params, [[1, 2, 3]] * batch_size, outputs, gens, vocab, eos_token_ids=[0])
         tokens.append(Sampler()(logits, batch).token_ids[position])
     return tokens
 
@@ -297,7 +314,7 @@ def test_top_k_2_only_ever_yields_the_two_best():
     base = torch.randn(vocab)
     best2 = set(base.topk(2).indices.tolist())
     params = [SamplingParams(top_k=2, temperature=1.5)] * n
-    out = Sampler()(base.expand(n, vocab).contiguous(), SamplingBatch.build(params, [[]] * n, [[]] * n, [None] * n))
+    out = Sampler()(base.expand(n, vocab).contiguous(), make_batch(params, [[]] * n, [[]] * n, [None] * n, vocab))
     assert set(out.token_ids) == best2
 
 
@@ -306,7 +323,7 @@ def test_frequencies_match_softmax(temperature):
     vocab, n = 6, 40000
     base = torch.randn(vocab)
     params = [SamplingParams(temperature=temperature)] * n
-    batch = SamplingBatch.build(params, [[]] * n, [[]] * n, [None] * n)
+    batch = make_batch(params, [[]] * n, [[]] * n, [None] * n, vocab)
     counts = Counter(Sampler()(base.expand(n, vocab).contiguous(), batch).token_ids)
     probs = ref_softmax([v / temperature for v in base.tolist()])
     for t in range(vocab):
@@ -320,7 +337,7 @@ def test_seeded_generator_frequencies_match_softmax():
     base = torch.tensor([2.0, 1.0, 0.5, -1.0])
     gen = make_generator(random.randrange(2**32))
     p = [SamplingParams(seed=1)]
-    counts = Counter(Sampler()(base[None], SamplingBatch.build(p, [[]], [[]], [gen])).token_ids[0]
+    counts = Counter(Sampler()(base[None], make_batch(p, [[]], [[]], [gen], vocab)).token_ids[0]
                      for _ in range(steps))
     probs = ref_softmax(base.tolist())
     for t in range(vocab):
