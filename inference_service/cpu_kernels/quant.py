@@ -6,41 +6,24 @@ activations by it, dequantizing each block in registers; `dequantize_rows` expan
 embedding lookup, and prefill, where a dense BLAS matmul over an expanded weight wins). The `*_ref`
 functions are the float64 references the tests use.
 
-The extension is compiled by the project's install step (`python -m inference_service.cpu_kernels.quant`, run by `make`)
-with the machine's gcc, never downloaded; `load_extension()` compiles it on first use otherwise, and
-returns None where that fails (the caller then keeps weights dequantized).
+How the extension is built and loaded: `build.py`.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
 import logging
-import os
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from inference_service.cpu_kernels.build import cpu_ops_for, load_extension
+
+__all__ = ["BLOCK_SIZE", "QuantType", "QuantizedWeight", "cpu_ops_for", "dequantize_ref", "dequantize_rows",
+           "load_extension", "quant_matmul", "quant_matmul_ref"]
 
 BLOCK_SIZE = 32
-_SOURCES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-            for name in ("quant_matmul.cpp", "quant_avx512.cpp", "norm_rope.cpp", "decode_attention.cpp",
-                         "decoder_layer.cpp", "worker_pool.cpp", "bindings.cpp")]
-_CFLAGS = ["-O3", "-fopenmp-simd"]  # `omp simd` loops only: threads come from worker_pool.cpp
-
-
-def _extension_name() -> str:
-    """The module's name carries a digest of its sources and flags, so checkouts with different sources
-    (or an upgrade) never load or overwrite each other's build in torch's shared extension cache."""
-    digest = hashlib.sha256(" ".join(_CFLAGS).encode())
-    headers = [os.path.join(os.path.dirname(_SOURCES[0]), h) for h in ("ops.h", "quant_blocks.h", "worker_pool.h", "decoder_layer.h")]
-    for path in [*_SOURCES, *headers]:
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    return f"inference_service_cpu_kernels_{digest.hexdigest()[:16]}"
 
 
 class QuantType(enum.IntEnum):
@@ -59,35 +42,6 @@ class QuantType(enum.IntEnum):
     def block_bytes(self) -> int:
         """Bytes of one GGUF block: fp16 scale (and Q4_1's fp16 min), then the quants."""
         return 2 + (2 if self is QuantType.Q4_1 else 0) + self.quant_bytes
-
-
-_lock = threading.Lock()
-_extension = None
-_load_failed = False
-
-
-def load_extension():
-    """The compiled extension, building it on first use; None if this machine cannot build it."""
-    global _extension, _load_failed
-    with _lock:
-        if _extension is None and not _load_failed:
-            try:
-                from torch.utils import cpp_extension
-
-                _extension = cpp_extension.load(name=_extension_name(), sources=_SOURCES, extra_cflags=_CFLAGS,
-                                                verbose=False)
-            except Exception as exc:  # no compiler, no headers: serve dequantized instead
-                logger.warning("cannot build the CPU quantized-matmul extension (%s); GGUF weights will be "
-                               "dequantized at load", exc)
-                _load_failed = True
-        return _extension
-
-
-def cpu_ops_for(tensor: torch.Tensor):
-    """The extension, for a layer whose float32 CPU tensors its norm and rotary ops take; else None."""
-    if tensor.device.type != "cpu" or tensor.dtype != torch.float32:
-        return None
-    return load_extension()
 
 
 @dataclass
@@ -148,7 +102,7 @@ def quant_matmul(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor | N
     """x [N, K] float32 (rows contiguous) @ dequant(weight)[R, K]^T -> out [N, R] float32.
 
     `out` may be a column slice of a wider tensor (its rows contiguous)."""
-    ext = _extension or load_extension()
+    ext = load_extension()
     if ext is None:
         raise RuntimeError("the CPU quantized-matmul extension is not available")
     if out is None:
