@@ -136,7 +136,7 @@ def test_fp8_kv_cache_needs_the_triton_backend():
 
 
 def test_gpu_config_validation():
-    with pytest.raises(ValueError, match="--kv-cache-dtype must be auto or fp8"):
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be auto, fp8 or fp8_e4m3"):
         CacheConfig(kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="--max-cuda-graph-batch-size must be >= 1"):
         EngineConfig(max_cuda_graph_batch_size=0)
