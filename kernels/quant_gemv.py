@@ -1,0 +1,87 @@
+"""Weight-only quantized skinny matmul for decode: y = x @ dequant(w).T with 1..16 rows of x.
+
+At decode batch sizes a linear layer is bound by reading its weight; a packed weight is 2-4x fewer
+bytes. Each program owns BLOCK_N output columns for every row of x: it streams its rows of the packed
+weight once (`dequant_tile`: codes, scales and zeros widened to fp32 in registers), multiplies them
+into all rows of x by broadcast products reduced along K, and rounds once at the end. No tensor cores:
+at a few rows they would idle, and the dequantization, not the products, is the work besides the loads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import cast, is_interpreter, next_pow2, pdl_args, pdl_enter
+from kernels.quant_layout import IntPackedWeight, dequant_tile, kernel_args, next_tile_k
+
+MAX_QUANT_GEMV_ROWS = 16  # more rows go to `quant_gemm` (tensor cores)
+
+
+@triton.jit
+def _quant_gemv_kernel(
+    x_ptr,  # [M, K] activations
+    perm_ptr,  # [K] int32 packed column -> x column, or any pointer when not HAS_PERM
+    b_ptr,  # [N] bias, or any pointer when not HAS_BIAS
+    y_ptr,  # [M, N]
+    qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, stride_qs, stride_qh, stride_s,  # the packed weight
+    M, N, K, stride_xm, stride_ym,
+    BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pdl_enter(USE_PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w_lo, w_hi, cols_lo, cols_hi, _ = dequant_tile(
+            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s,
+            BITS, GROUP, ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_K)
+        in_k = cols_lo < K
+        if HAS_PERM:
+            cols_lo = tl.load(perm_ptr + cols_lo, mask=in_k, other=0)
+            cols_hi = tl.load(perm_ptr + cols_hi, mask=in_k, other=0)
+        x_mask = (offs_m[:, None] < M) & in_k[None, :]
+        x_lo = tl.load(x_rows + cols_lo[None, :], mask=x_mask, other=0.0).to(tl.float32)  # [BM, BK/2]
+        x_hi = tl.load(x_rows + cols_hi[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(x_lo[:, None, :] * w_lo[None, :, :], axis=2)
+        acc += tl.sum(x_hi[:, None, :] * w_hi[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], cast(acc, y_ptr.dtype.element_ty),
+             mask=y_mask)
+
+
+def quant_gemv_config(num_rows: int, n: int) -> dict:
+    """Tiles: the register budget is BLOCK_M x BLOCK_N x BLOCK_K / 2 products, so more rows narrow the
+    column tile; a first guess for the GPU (bench/gpu_quant.py --sweep measures it)."""
+    block_m = next_pow2(num_rows)
+    block_n = max(4, 64 // block_m)
+    return {"block_n": block_n, "block_k": 256 if block_m <= 4 else 128, "num_warps": 4, "num_stages": 3}
+
+
+def quant_gemv(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = None, *,
+               out: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
+               num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_QUANT_GEMV_ROWS) @ dequant(w).T + bias -> [M, N] in x's dtype, fp32 accumulation.
+    Arguments are checked by `quant_matmul`, the entry point."""
+    num_rows, k = x.shape
+    n = w.shape[0]
+    if out is None:
+        out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    tiles = quant_gemv_config(num_rows, n)
+    block_n = block_n or tiles["block_n"]
+    block_k = next_tile_k(k, block_k or tiles["block_k"])
+    opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"],
+                                        "num_stages": num_stages or tiles["num_stages"]}
+    args, consts = kernel_args(w)
+    _quant_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, w.perm if w.perm is not None else x, bias if bias is not None else x, out, *args,
+        num_rows, n, k, x.stride(0), out.stride(0), **consts, HAS_PERM=w.perm is not None,
+        HAS_BIAS=bias is not None, BLOCK_M=next_pow2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
+        **opts, **pdl_args(x.device))
+    return out

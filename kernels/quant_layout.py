@@ -1,0 +1,216 @@
+"""The one packed layout every weight-only integer format is repacked into at load (GPTQ, AWQ,
+compressed-tensors w4a16, int8 per channel, in-situ int4/int8, GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K).
+
+    w[n, k] = scales[n, g] * (q[n, k] - zero[n, g]) + offsets[n, g]      g = k // group_size
+
+in fp32, in that order (GGUF's own order: the K-quants' `d * q - dmin * m` is `offsets = -dmin * m`),
+so `dequantize_int` is bit-exact against the `gguf` package. q is an unsigned code of `bits` bits:
+
+- `qs`: bits 8: [N, K] uint8, one code a byte. bits 4-6: [N, K / 2] uint8, the low 4 bits of two codes
+  a byte; within each 32 columns byte j holds column j (low nibble) and column j + 16 (high nibble),
+  GGUF Q4_0's order, so a kernel reads a tile's bytes contiguously and multiplies the two nibble planes
+  by two strided views of x (no interleaving shuffle).
+- `qh`: bits 5-6 only: [N, K * (bits - 4) / 8] uint8, the remaining high bits of column k at byte
+  k // (8 / hb), bit (k % (8 / hb)) * hb, hb = bits - 4.
+- `scales` [N, K / G] (fp16, bf16 or fp32: fp32 where the scale is a product, as the K-quants' d * sc,
+  so it stays exact), `zeros` [N, K / G] uint8 or one constant `zero`, `offsets` [N, K / G] or none.
+- `perm` [K] int32 or none: packed column k multiplies x[:, perm[k]] (GPTQ act-order: columns sorted by
+  group at load so every group is contiguous, and the activations gathered instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+NIBBLE_SPAN = 32  # columns sharing one run of 16 bytes (byte j: columns j and j + 16)
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass
+class IntPackedWeight:
+    """An [N, K] weight in the packed integer layout (module docstring)."""
+
+    bits: int
+    group_size: int
+    qs: torch.Tensor
+    scales: torch.Tensor
+    qh: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
+    zero: int = 0
+    offsets: torch.Tensor | None = None
+    perm: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        n, num_groups = self.scales.shape
+        k = num_groups * self.group_size
+        if self.bits not in (4, 5, 6, 8):
+            raise ValueError(f"bits: 4, 5, 6 or 8, got {self.bits}")
+        if k % NIBBLE_SPAN or self.group_size % 16:
+            raise ValueError(f"K={k} must be a multiple of {NIBBLE_SPAN} and group_size={self.group_size} of 16")
+        qs_shape = (n, k) if self.bits == 8 else (n, k // 2)
+        _check("qs", self.qs, qs_shape, (torch.uint8,))
+        if self.bits in (5, 6):
+            _check("qh", self.qh, (n, k * (self.bits - 4) // 8), (torch.uint8,))
+        elif self.qh is not None:
+            raise ValueError(f"qh: only 5- and 6-bit codes have high bits, got one at bits={self.bits}")
+        _check("scales", self.scales, (n, num_groups), SCALE_DTYPES)
+        if self.zeros is not None:
+            _check("zeros", self.zeros, (n, num_groups), (torch.uint8,))
+        if self.offsets is not None:
+            _check("offsets", self.offsets, (n, num_groups), SCALE_DTYPES)
+        if self.perm is not None:
+            _check("perm", self.perm, (k,), (torch.int32,))
+        if not 0 <= self.zero < 1 << self.bits:
+            raise ValueError(f"zero: {self.zero} outside the {self.bits}-bit codes")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scales.shape[0], self.scales.shape[1] * self.group_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a matmul reads (what the weight costs in GPU memory)."""
+        parts = (self.qs, self.qh, self.scales, self.zeros, self.offsets, self.perm)
+        return sum(t.nbytes for t in parts if t is not None)
+
+    def to(self, device: torch.device | str) -> IntPackedWeight:
+        moved = {name: (t.to(device) if isinstance(t, torch.Tensor) else t) for name, t in self.__dict__.items()}
+        return IntPackedWeight(**moved)
+
+
+def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> None:
+    if t is None or tuple(t.shape) != tuple(shape) or t.dtype not in dtypes:
+        got = None if t is None else (tuple(t.shape), t.dtype)
+        raise ValueError(f"{name}: expected shape {tuple(shape)} of {dtypes}, got {got}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+
+
+def pack_int(codes: torch.Tensor, bits: int, group_size: int, scales: torch.Tensor, *,
+             zeros: torch.Tensor | None = None, zero: int = 0, offsets: torch.Tensor | None = None,
+             perm: torch.Tensor | None = None) -> IntPackedWeight:
+    """Pack unsigned codes [N, K] (any integer dtype, values < 2**bits) into the layout."""
+    codes = codes.to(torch.int32)
+    n, k = codes.shape
+    if int(codes.min()) < 0 or int(codes.max()) >= 1 << bits:
+        raise ValueError(f"codes outside 0..{(1 << bits) - 1}")
+    qh = None
+    if bits == 8:
+        qs = codes.to(torch.uint8)
+    else:
+        spans = (codes & 0x0F).view(n, k // NIBBLE_SPAN, 2, NIBBLE_SPAN // 2)  # [N, spans, lo|hi, 16]
+        qs = (spans[:, :, 0] | (spans[:, :, 1] << 4)).reshape(n, k // 2).to(torch.uint8)
+        if bits > 4:
+            hb = bits - 4
+            per = 8 // hb
+            high = (codes >> 4).view(n, k // per, per)
+            shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * hb
+            qh = (high << shifts).sum(-1).to(torch.uint8)
+    return IntPackedWeight(bits, group_size, qs.contiguous(), scales.contiguous(),
+                           qh=None if qh is None else qh.contiguous(),
+                           zeros=None if zeros is None else zeros.to(torch.uint8).contiguous(), zero=zero,
+                           offsets=None if offsets is None else offsets.contiguous(),
+                           perm=None if perm is None else perm.to(torch.int32).contiguous())
+
+
+def unpack_codes(w: IntPackedWeight) -> torch.Tensor:
+    """The codes q [N, K] int32 in packed column order (the inverse of `pack_int`)."""
+    n, k = w.shape
+    if w.bits == 8:
+        return w.qs.to(torch.int32)
+    qs = w.qs.to(torch.int32).view(n, k // NIBBLE_SPAN, 1, NIBBLE_SPAN // 2)
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, k)
+    if w.bits > 4:
+        hb = w.bits - 4
+        per = 8 // hb
+        shifts = torch.arange(per, dtype=torch.int32, device=qs.device) * hb
+        high = (w.qh.to(torch.int32)[:, :, None] >> shifts) & ((1 << hb) - 1)
+        codes = codes | (high.reshape(n, k) << 4)
+    return codes
+
+
+def dequantize_int(w: IntPackedWeight, dtype: torch.dtype = torch.float32, *, unpermute: bool = True
+                   ) -> torch.Tensor:
+    """The weight [N, K] in `dtype` (float32: the formula's own rounding, bit-exact with GGUF's; float64:
+    the exact values of the reference). `unpermute`: columns in the checkpoint's order, else packed."""
+    codes = unpack_codes(w).to(dtype)
+    n, k = w.shape
+
+    def per_column(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype).repeat_interleave(w.group_size, dim=1)
+
+    zero = per_column(w.zeros) if w.zeros is not None else torch.tensor(float(w.zero), dtype=dtype)
+    out = per_column(w.scales) * (codes - zero)
+    if w.offsets is not None:
+        out = out + per_column(w.offsets)
+    if unpermute and w.perm is not None:
+        out = torch.empty_like(out).index_copy_(1, w.perm.long(), out)
+    return out
+
+
+def quant_matmul_ref(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 x [M, K] @ dequant(w).T (+ bias): the reference of every integer kernel."""
+    y = x.double() @ dequantize_int(w, torch.float64).T
+    return y if bias is None else y + bias.double()
+
+
+@triton.jit
+def dequant_tile(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                 HAS_OFFSETS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of rows `offs_n`, dequantized in fp32 as two planes [BLOCK_N, BLOCK_K / 2]:
+    (w_lo, w_hi, cols_lo, cols_hi, mask): plane lo holds columns cols_lo, plane hi cols_lo + 16 (k0 is a
+    multiple of 32, BLOCK_K of 32)."""
+    b = tl.arange(0, BLOCK_K // 2)
+    cols_lo = k0 + (b // 16) * 32 + b % 16
+    cols_hi = cols_lo + 16
+    mask = (offs_n[:, None] < N) & (cols_lo[None, :] < K)  # K % 32 == 0: cols_hi < K alike
+    rows = offs_n[:, None].to(tl.int64)
+    if BITS == 8:
+        q_lo = tl.load(qs_ptr + rows * stride_qs + cols_lo[None, :], mask=mask, other=0).to(tl.int32)
+        q_hi = tl.load(qs_ptr + rows * stride_qs + cols_hi[None, :], mask=mask, other=0).to(tl.int32)
+    else:
+        byte = tl.load(qs_ptr + rows * stride_qs + (k0 // 2 + b)[None, :], mask=mask, other=0).to(tl.int32)
+        q_lo = byte & 15
+        q_hi = byte >> 4
+        if BITS > 4:
+            HB: tl.constexpr = BITS - 4
+            PER: tl.constexpr = 8 // HB
+            h_lo = tl.load(qh_ptr + rows * stride_qh + (cols_lo // PER)[None, :], mask=mask, other=0).to(tl.int32)
+            h_hi = tl.load(qh_ptr + rows * stride_qh + (cols_hi // PER)[None, :], mask=mask, other=0).to(tl.int32)
+            q_lo = q_lo | (((h_lo >> ((cols_lo % PER) * HB)[None, :]) & ((1 << HB) - 1)) << 4)
+            q_hi = q_hi | (((h_hi >> ((cols_hi % PER) * HB)[None, :]) & ((1 << HB) - 1)) << 4)
+    g_lo = rows * stride_s + (cols_lo // GROUP)[None, :]
+    g_hi = rows * stride_s + (cols_hi // GROUP)[None, :]
+    if HAS_ZEROS:
+        z_lo = tl.load(z_ptr + g_lo, mask=mask, other=0).to(tl.float32)
+        z_hi = tl.load(z_ptr + g_hi, mask=mask, other=0).to(tl.float32)
+    else:
+        z_lo = ZERO
+        z_hi = ZERO
+    w_lo = tl.load(s_ptr + g_lo, mask=mask, other=0.0).to(tl.float32) * (q_lo.to(tl.float32) - z_lo)
+    w_hi = tl.load(s_ptr + g_hi, mask=mask, other=0.0).to(tl.float32) * (q_hi.to(tl.float32) - z_hi)
+    if HAS_OFFSETS:
+        w_lo += tl.load(o_ptr + g_lo, mask=mask, other=0.0).to(tl.float32)
+        w_hi += tl.load(o_ptr + g_hi, mask=mask, other=0.0).to(tl.float32)
+    return w_lo, w_hi, cols_lo, cols_hi, mask
+
+
+def kernel_args(w: IntPackedWeight) -> tuple[list, dict]:
+    """The pointer/stride arguments and constexprs `dequant_tile` takes, for a launcher."""
+    dummy = w.scales
+    ptrs = [w.qs, w.qh if w.qh is not None else dummy, w.scales, w.zeros if w.zeros is not None else dummy,
+            w.offsets if w.offsets is not None else dummy]
+    strides = [w.qs.stride(0), w.qh.stride(0) if w.qh is not None else 0, w.scales.stride(0)]
+    consts = {"BITS": w.bits, "GROUP": w.group_size, "ZERO": float(w.zero), "HAS_ZEROS": w.zeros is not None,
+              "HAS_OFFSETS": w.offsets is not None}
+    return ptrs + strides, consts
+
+
+def next_tile_k(k: int, block_k: int) -> int:
+    """A K tile that is a multiple of 32 and no wider than K needs."""
+    return max(NIBBLE_SPAN, min(block_k, triton.next_power_of_2(k)))
