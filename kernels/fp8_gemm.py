@@ -70,14 +70,16 @@ class Fp8Weight:
 
 
 def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 scales [M, K / group]): each row's groups of `group` columns
-    scaled so their largest magnitude is FP8_MAX (dynamic quantization of activations)."""
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, cdiv(K, group)]): each row's groups of `group`
+    columns (the last one may be partial) scaled so their largest magnitude is FP8_MAX (dynamic
+    quantization of activations)."""
     m, k = x.shape
-    require(k % group == 0, f"x: K={k} is not a multiple of the scale group {group}")
-    groups = x.float().view(m, k // group, group)
+    num_groups = triton.cdiv(k, group)
+    padded = torch.nn.functional.pad(x.float(), (0, num_groups * group - k))
+    groups = padded.view(m, num_groups, group)
     scale = (groups.abs().amax(-1) / FP8_MAX).clamp(min=MIN_SCALE)
     q = (groups / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(m, k), scale
+    return q.view(m, -1)[:, :k].contiguous(), scale
 
 
 def dequantize_fp8(w: Fp8Weight, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -90,7 +92,7 @@ def dequantize_fp8(w: Fp8Weight, dtype: torch.dtype = torch.float64) -> torch.Te
 def fp8_matmul_ref(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """float64 reference of `fp8_linear`: x quantized as the kernel does, both sides dequantized."""
     xq, xs = quantize_fp8_groups(x, w.block_k)
-    y = (xq.double() * xs.double().repeat_interleave(w.block_k, 1)) @ dequantize_fp8(w).T
+    y = (xq.double() * xs.double().repeat_interleave(w.block_k, 1)[:, :x.shape[1]]) @ dequantize_fp8(w).T
     return y if bias is None else y + bias.double()
 
 
@@ -138,7 +140,7 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: Fp8Weight, bias: torch.
     """Triton fp8 GEMM: xq [M, K] e4m3 with x_scale [M, K / block_k] against `w` -> [M, N] out_dtype."""
     m, k = xq.shape
     n = w.shape[0]
-    require(tuple(x_scale.shape) == (m, triton.cdiv(k, w.block_k)), f"x_scale: expected {(m, k // w.block_k)}")
+    require(tuple(x_scale.shape) == (m, triton.cdiv(k, w.block_k)), f"x_scale: expected {(m, triton.cdiv(k, w.block_k))}")
     block_k = min(128, w.block_k & -w.block_k)  # the largest power of two dividing the scale group
     require(block_k >= 16, f"block_k {w.block_k}: a multiple of 16 expected")
     block_m = block_m or (16 if m <= 16 else 64)

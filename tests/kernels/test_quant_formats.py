@@ -1,0 +1,262 @@
+"""Checkpoint formats parsed into the packed layouts: GGUF bit-exact against the `gguf` package; GPTQ and
+AWQ against their documented packers (written out below as AutoGPTQ / AutoAWQ write them);
+compressed-tensors against the `compressed-tensors` package; fp8 checkpoints; in-situ quantization;
+malformed configs and tensors named in the error. Each packed weight also goes through the kernel."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+from inference_service.model.quant import (
+    QuantizationConfigError,
+    QuantMethod,
+    describe_weight,
+    pack_checkpoint_linear,
+    parse_quantization_config,
+    quantize_in_situ,
+    repack_gguf,
+    select_rows,
+)
+from inference_service.model.quant.checkpoint import AWQ_ORDER
+from kernels import FP8_DTYPE
+from kernels.fp8_gemm import Fp8Weight, dequantize_fp8, fp8_linear, fp8_matmul_ref
+from kernels.quant_gemm import quant_matmul
+from kernels.quant_layout import IntPackedWeight, dequantize_int, quant_matmul_ref
+from tests.kernels.kernel_testlib import DEVICE, TOL, rel_err
+
+# type: (block bytes, elements a block, byte offsets of the fp16 scale/min fields)
+GGUF_TYPES = {"Q4_0": (18, 32, [0]), "Q4_1": (20, 32, [0, 2]), "Q8_0": (34, 32, [0]),
+              "Q4_K": (144, 256, [0, 2]), "Q5_K": (176, 256, [0, 2]), "Q6_K": (210, 256, [208])}
+
+
+def random_gguf_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random quants and sub-scales with finite random fp16 scales: [rows, row bytes] uint8."""
+    block_bytes, per_block, fp16_fields = GGUF_TYPES[type_name]
+    blocks = rng.integers(0, 256, (rows * cols // per_block, block_bytes), dtype=np.uint8)
+    for at in fp16_fields:
+        blocks[:, at:at + 2] = (rng.standard_normal((len(blocks), 1)) * 0.01).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_gguf_repack_dequantizes_bit_exact_and_multiplies(type_name):
+    rng = np.random.default_rng(7)
+    rows, cols = 12, 512
+    raw = random_gguf_blocks(type_name, rows, cols, rng)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])  # [rows, cols] float32
+    w = repack_gguf(raw, type_name)
+    assert w.shape == (rows, cols)
+    assert np.array_equal(dequantize_int(w).numpy().view(np.uint32), expected.view(np.uint32))
+    order = rng.permutation(rows)
+    assert np.array_equal(dequantize_int(select_rows(w, order)).numpy(), expected[order])
+    x = torch.randn(3, cols, dtype=torch.bfloat16, device=DEVICE)
+    ref = x.double() @ torch.from_numpy(expected).double().T.to(DEVICE)
+    assert rel_err(quant_matmul(x, w.to(DEVICE)), ref) < TOL[torch.bfloat16]
+
+
+def test_gguf_unpacked_type_is_refused():
+    with pytest.raises(ValueError, match="GGUF type Q2_K is not kept packed"):
+        repack_gguf(np.zeros((1, 84), np.uint8), "Q2_K")
+
+
+# ---- GPTQ / AWQ: the packers as AutoGPTQ and AutoAWQ write them ------------------------------------
+
+def gptq_pack_ref(codes_kn: np.ndarray, zeros_gn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """AutoGPTQ QuantLinear.pack: 8 input rows a word (row 8r + i at bits 4i); zeros stored minus one,
+    8 columns a word."""
+    k, n = codes_kn.shape
+    qweight = np.zeros((k // 8, n), dtype=np.uint32)
+    for i in range(8):
+        qweight |= codes_kn[i::8].astype(np.uint32) << (4 * i)
+    stored = (zeros_gn - 1).astype(np.uint32)
+    qzeros = np.zeros((zeros_gn.shape[0], n // 8), dtype=np.uint32)
+    for i in range(8):
+        qzeros |= stored[:, i::8] << (4 * i)
+    return qweight.view(np.int32), qzeros.view(np.int32)
+
+
+def awq_pack_ref(values_rn: np.ndarray) -> np.ndarray:
+    """AutoAWQ WQLinear_GEMM: 8 columns a word, column order_map[i] at bits 4i."""
+    packed = np.zeros((values_rn.shape[0], values_rn.shape[1] // 8), dtype=np.uint32)
+    for i, col in enumerate(AWQ_ORDER):
+        packed |= values_rn[:, col::8].astype(np.uint32) << (4 * i)
+    return packed.view(np.int32)
+
+
+@pytest.mark.parametrize("group_size", [128, -1])
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_gptq_checkpoint(group_size, desc_act):
+    rng = np.random.default_rng(abs(group_size) + desc_act)
+    k, n = 256, 48
+    group = k if group_size == -1 else group_size
+    codes = rng.integers(0, 16, (k, n))
+    zeros = rng.integers(1, 16, (k // group, n))
+    scales = torch.from_numpy(rng.random((k // group, n)) * 0.01 + 1e-3).half()
+    g_idx = np.arange(k) // group
+    if desc_act:  # act-order: input rows quantized in a permuted order, groups follow it
+        g_idx = g_idx[np.argsort(rng.permutation(k))]
+    qweight, qzeros = gptq_pack_ref(codes, zeros)
+    spec = parse_quantization_config({"quant_method": "gptq", "bits": 4, "group_size": group_size,
+                                      "desc_act": desc_act, "sym": True})
+    w = pack_checkpoint_linear(spec, "layer", {"qweight": torch.from_numpy(qweight), "qzeros": torch.from_numpy(qzeros),
+                                               "scales": scales, "g_idx": torch.from_numpy(g_idx.astype(np.int32))})
+    assert (w.perm is not None) == (desc_act and group_size != -1)  # one group: act-order changes nothing
+    # w[n, k] = scales[g_idx[k], n] * (q[k, n] - zero[g_idx[k], n])
+    expected = (scales.double()[g_idx] * torch.from_numpy(codes - zeros[g_idx]).double()).T
+    assert torch.equal(dequantize_int(w, torch.float64), expected)
+    x = torch.randn(5, k, dtype=torch.float16, device=DEVICE)
+    assert rel_err(quant_matmul(x, w.to(DEVICE)), x.double() @ expected.T.to(DEVICE)) < TOL[torch.float16]
+
+
+def test_gptq_symmetric_zeros_become_a_constant():
+    k, n = 128, 16
+    codes = np.random.default_rng(1).integers(0, 16, (k, n))
+    qweight, qzeros = gptq_pack_ref(codes, np.full((1, n), 8))
+    spec = parse_quantization_config({"quant_method": "gptq", "bits": 4, "group_size": 128})
+    w = pack_checkpoint_linear(spec, "l", {"qweight": torch.from_numpy(qweight), "qzeros": torch.from_numpy(qzeros),
+                                           "scales": torch.ones(1, n, dtype=torch.float16)})
+    assert w.zeros is None and w.zero == 8
+
+
+def test_awq_checkpoint():
+    rng = np.random.default_rng(3)
+    k, n, group = 256, 32, 128
+    codes, zeros = rng.integers(0, 16, (k, n)), rng.integers(0, 16, (k // group, n))
+    scales = torch.from_numpy(rng.random((k // group, n)) * 0.01 + 1e-3).half()
+    spec = parse_quantization_config({"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                      "version": "gemm"})
+    w = pack_checkpoint_linear(spec, "l", {"qweight": torch.from_numpy(awq_pack_ref(codes)),
+                                           "qzeros": torch.from_numpy(awq_pack_ref(zeros)), "scales": scales})
+    rows = np.arange(k) // group
+    expected = (scales.double()[rows] * torch.from_numpy(codes - zeros[rows]).double()).T
+    assert torch.equal(dequantize_int(w, torch.float64), expected)
+    x = torch.randn(20, k, dtype=torch.bfloat16, device=DEVICE)  # the GEMM path
+    assert rel_err(quant_matmul(x, w.to(DEVICE)), quant_matmul_ref(x, w.to(DEVICE))) < TOL[torch.bfloat16]
+
+
+# ---- compressed-tensors ------------------------------------------------------------------------
+
+def ct_config(preset: str, fmt: str) -> dict:
+    cfg = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])}, format=fmt,
+                             ignore=["lm_head"])
+    return cfg.model_dump(exclude_none=True)
+
+
+@pytest.mark.parametrize("preset,bits", [("W4A16", 4), ("W8A16", 8)])
+def test_compressed_tensors_pack_quantized(preset, bits):
+    spec = parse_quantization_config(ct_config(preset, "pack-quantized"))
+    assert (spec.method, spec.bits, spec.group_size) == (QuantMethod.PACKED_INT, bits, 128)
+    assert spec.is_ignored("lm_head") and not spec.is_ignored("model.layers.0.mlp.down_proj")
+    n, k = 24, 256
+    gen = torch.Generator().manual_seed(bits)
+    q = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, k // 128, generator=gen).to(torch.bfloat16)
+    packed = pack_to_int32(q, bits)
+    assert torch.equal(unpack_from_int32(packed, bits, torch.Size((n, k))), q)  # the package's own round trip
+    w = pack_checkpoint_linear(spec, "l", {"weight_packed": packed, "weight_scale": scale,
+                                           "weight_shape": torch.tensor([n, k])})
+    expected = scale.double().repeat_interleave(128, 1) * q.double()
+    assert torch.equal(dequantize_int(w, torch.float64), expected)
+    x = torch.randn(2, k, dtype=torch.bfloat16, device=DEVICE)
+    assert rel_err(quant_matmul(x, w.to(DEVICE)), x.double() @ expected.T.to(DEVICE)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("preset", ["FP8_DYNAMIC", "FP8_BLOCK"])
+def test_compressed_tensors_float_quantized(preset):
+    spec = parse_quantization_config(ct_config(preset, "float-quantized"))
+    n, k = 256, 384
+    weight = (torch.randn(n, k) * 50).to(FP8_DTYPE)
+    scale = torch.rand(n, 1) + 0.5 if preset == "FP8_DYNAMIC" else torch.rand(2, 3) + 0.5
+    w = pack_checkpoint_linear(spec, "l", {"weight": weight, "weight_scale": scale})
+    block = (1, k) if preset == "FP8_DYNAMIC" else (128, 128)
+    assert (w.block_n, w.block_k) == block
+    expected = weight.double() * scale.double().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    assert torch.equal(dequantize_fp8(w), expected)
+
+
+def test_fp8_block_checkpoint_with_weight_scale_inv():
+    """Qwen3-*-FP8 / DeepSeek-V3: quant_method fp8, weight_block_size, ragged last blocks."""
+    spec = parse_quantization_config({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]})
+    n, k = 200, 320  # 2 x 3 blocks, the last ones partial
+    weight = (torch.randn(n, k) * 50).to(FP8_DTYPE)
+    scale_inv = torch.rand(2, 3) * 1e-3
+    w = pack_checkpoint_linear(spec, "model.layers.0.mlp.up_proj", {"weight": weight, "weight_scale_inv": scale_inv})
+    x = torch.randn(3, k, dtype=torch.bfloat16, device=DEVICE)
+    assert rel_err(fp8_linear(x, w.to(DEVICE)), fp8_matmul_ref(x, w.to(DEVICE))) < TOL[torch.bfloat16]
+    assert describe_weight(w)["format"] == "fp8 e4m3 (block 128x128)"
+    with pytest.raises(QuantizationConfigError, match=r"model.layers.0.mlp.up_proj.weight_scale_inv: expected \[2, 3\]"):
+        pack_checkpoint_linear(spec, "model.layers.0.mlp.up_proj", {"weight": weight, "weight_scale_inv": torch.ones(2, 2)})
+
+
+# ---- in-situ quantization ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("method,bound", [("int4", 0.12), ("int8", 0.01), ("fp8", 0.05)])
+def test_in_situ_quantization(method, bound):
+    gen = torch.Generator().manual_seed(11)
+    w16 = (torch.randn(64, 256, generator=gen) * 0.02).to(torch.bfloat16)
+    w = quantize_in_situ(w16, method)
+    deq = dequantize_fp8(w) if isinstance(w, Fp8Weight) else dequantize_int(w, torch.float64)
+    assert rel_err(deq, w16.double()) < bound
+    assert w.nbytes < w16.nbytes * (0.3 if method == "int4" else 0.55)
+    if isinstance(w, IntPackedWeight):  # the largest magnitude of each group lands on the last code
+        qmax = 7 if method == "int4" else 127
+        assert w.group_size == (128 if method == "int4" else 256)
+        group_amax = deq.abs().view(64, -1, w.group_size).amax(-1)
+        assert torch.equal(group_amax, w.scales.double() * qmax)
+
+
+def test_in_situ_int4_codes_exact():
+    w16 = torch.tensor([[0.7, -0.7, 0.3, 0.0] * 32], dtype=torch.float32)  # amax 0.7: scale 0.1 (fp16)
+    w = quantize_in_situ(w16, "int4")
+    assert w.zero == 8 and w.zeros is None
+    assert torch.equal(dequantize_int(w, torch.float64)[0, :4], torch.tensor([7, -7, 3, 0], dtype=torch.float64)
+                       * float(w.scales[0, 0]))
+
+
+# ---- malformed configs and tensors -------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg,field", [
+    ({"quant_method": "bitsandbytes"}, "quant_method"),
+    ({"bits": 4}, "quant_method"),
+    ({"quant_method": "gptq", "group_size": 128}, "bits"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "bits"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "group_size"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": "yes"}, "desc_act"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False}, "sym"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {"weights": {
+        "type": "int", "num_bits": 8, "strategy": "channel"}}}}, "format"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
+        "type": "int", "num_bits": 4, "strategy": "tensor"}}}}, "config_groups.g.weights.strategy"),
+])
+def test_malformed_config_names_the_field(cfg, field):
+    with pytest.raises(QuantizationConfigError) as info:
+        parse_quantization_config(cfg)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"quantization_config: {field}: ")
+
+
+def test_malformed_tensors_name_the_tensor():
+    spec = parse_quantization_config({"quant_method": "gptq", "bits": 4, "group_size": 128})
+    qweight, qzeros = gptq_pack_ref(np.zeros((256, 16), np.int64), np.ones((2, 16), np.int64))
+    tensors = {"qweight": torch.from_numpy(qweight), "qzeros": torch.from_numpy(qzeros),
+               "scales": torch.ones(2, 16, dtype=torch.float16)}
+    with pytest.raises(QuantizationConfigError, match="model.layers.3.self_attn.o_proj.scales: missing"):
+        pack_checkpoint_linear(spec, "model.layers.3.self_attn.o_proj",
+                               {k: v for k, v in tensors.items() if k != "scales"})
+    with pytest.raises(QuantizationConfigError, match=r"o_proj.scales: expected \[2, 16\]"):
+        pack_checkpoint_linear(spec, "o_proj", {**tensors, "scales": torch.ones(1, 16)})
+    bad_g_idx = torch.zeros(256, dtype=torch.int32)  # every row in group 0: not 128 a group
+    with pytest.raises(QuantizationConfigError, match="o_proj.g_idx: every group must hold exactly"):
+        pack_checkpoint_linear(spec, "o_proj", {**tensors, "g_idx": bad_g_idx})
+    fp8 = parse_quantization_config({"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(QuantizationConfigError, match=r"down_proj.weight: expected torch.float8_e4m3fn"):
+        pack_checkpoint_linear(fp8, "down_proj", {"weight": torch.ones(128, 128), "weight_scale_inv": torch.ones(1, 1)})
