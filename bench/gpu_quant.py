@@ -1,0 +1,356 @@
+"""Quantized weights on the GPU: the decode weight pass per format against its roofline (issue 18).
+
+Sections (results in `--out`/gpu_quant.json and gpu_quant.md; each runs even if an earlier one failed):
+  ceilings   device-to-device copy bandwidth (bytes read + written): the roofline of every row.
+  pass_b1    batch 1, Llama-3-8B shapes, all 32 layers' projections (qkv, o, gate_up, down) in each format
+             plus a bf16 lm_head, chained in one CUDA graph, replayed: the weights-only part of a decode
+             step. tok/s = 1 / pass time; roofline = copy GB/s / bytes the pass reads.
+  pass_b16   the same at batch 16 (the decode GEMV's last row count).
+  pass_b256  batch 256 (the GEMM path): int4 and the others against bf16 (target: int4 no slower).
+  memory     GPU memory of the int4 model's weights (packed projections + bf16 embeddings and lm_head).
+  sweep      batch-1 GEMV tiles for int4 and Q4_K over the four projection shapes (`--sweep`).
+  served     the engine's own decode (128-token prompt, 512 new tokens, CUDA graphs) with each
+             `--quantization`, when the engine has the option (skipped, with the reason, before then).
+
+Formats: bf16 (the `gemv` kernel at 1-4 rows, cuBLAS past), int4 g128 as GPTQ (constant zero) and AWQ
+(a zeros plane), GGUF Q4_K / Q8_0 layouts, fp8 per channel and fp8 [128, 128] blocks. The weights are
+random codes in each layout (the kernels read the same bytes as for a real checkpoint).
+
+Usage: python bench/gpu_quant.py --out DIR [--only a,b] [--sweep]          (on the GPU, < 10 minutes)
+       python bench/gpu_quant.py --out DIR --smoke                          (CPU, interpreter, tiny shapes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder for gpu_quant.json and gpu_quant.md")
+    p.add_argument("--config", default=os.path.join(ROOT, "bench", "configs", "llama-3-8b", "config.json"))
+    p.add_argument("--only", default="", help="comma-separated sections")
+    p.add_argument("--sweep", action="store_true", help="also sweep the GEMV tiles")
+    p.add_argument("--smoke", action="store_true", help="CPU dry run: Triton interpreter, a tiny model")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+if ARGS.smoke:  # NOTE: before `kernels` (triton.jit) is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from kernels import gemv  # noqa: E402
+from kernels.fp8_gemm import Fp8Weight, fp8_linear  # noqa: E402
+from kernels.quant_gemm import quant_gemm, quant_matmul  # noqa: E402
+from kernels.quant_gemv import quant_gemv  # noqa: E402
+from kernels.quant_layout import IntPackedWeight  # noqa: E402
+
+DEVICE = torch.device("cpu" if ARGS.smoke else "cuda")
+BF16 = torch.bfloat16
+SMOKE_SHAPES = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
+                "num_hidden_layers": 1, "vocab_size": 256}
+# layout name: (bits, group (None: per channel), scale dtype, zeros plane, offsets)
+INT_LAYOUTS = {"int4_gptq_g128": (4, 128, torch.float16, False, False),
+               "int4_awq_g128": (4, 128, torch.float16, True, False),
+               "q4_k": (4, 32, torch.float32, False, True),
+               "q8_0": (8, 32, torch.float16, False, False)}
+FP8_LAYOUTS = {"fp8_channel": None, "fp8_block128": (128, 128)}
+FORMATS = ["bf16", *INT_LAYOUTS, *FP8_LAYOUTS]
+TARGETS_B1 = {"int4_gptq_g128": 400, "int4_awq_g128": 400, "q4_k": 380, "q8_0": 280, "fp8_channel": 300,
+              "fp8_block128": 300}
+
+
+# ------------------------------------------------------------------------------------------ weights
+
+def model_shapes() -> dict:
+    with open(ARGS.config, encoding="utf-8") as f:
+        cfg = json.load(f)
+    if ARGS.smoke:
+        cfg.update(SMOKE_SHAPES)
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    return {"projections": [("qkv", q + 2 * kv, h), ("o", h, q), ("gate_up", 2 * i, h), ("down", h, i)],
+            "num_layers": cfg["num_hidden_layers"], "vocab": cfg["vocab_size"], "hidden": h}
+
+
+def random_weight(fmt: str, n: int, k: int):
+    """An [n, k] weight in `fmt` with random contents, on DEVICE."""
+    if fmt == "bf16":
+        return torch.randn(n, k, device=DEVICE, dtype=BF16) * 0.02
+    if fmt in INT_LAYOUTS:
+        bits, group, scale_dtype, has_zeros, has_offsets = INT_LAYOUTS[fmt]
+        group = group or k
+        groups = (n, k // group)
+        qs = torch.randint(0, 256, (n, k if bits == 8 else k // 2), dtype=torch.uint8, device=DEVICE)
+        scales = (torch.rand(groups, device=DEVICE) * 0.002).to(scale_dtype)
+        zeros = torch.randint(0, 16, groups, dtype=torch.uint8, device=DEVICE) if has_zeros else None
+        offsets = (torch.rand(groups, device=DEVICE) * -0.01).to(scale_dtype) if has_offsets else None
+        return IntPackedWeight(bits, group, qs, scales, zeros=zeros, zero=1 << (bits - 1), offsets=offsets)
+    block_n, block_k = FP8_LAYOUTS[fmt] or (1, k)
+    q = (torch.randn(n, k, device=DEVICE) * 64).to(torch.float8_e4m3fn)
+    scale = torch.rand(-(-n // block_n), -(-k // block_k), device=DEVICE) * 1e-3
+    return Fp8Weight(q, scale, block_n, block_k)
+
+
+def nbytes(w) -> int:
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
+
+
+def matmul(x: torch.Tensor, w) -> torch.Tensor:
+    """What the served path would run for this weight and row count."""
+    if isinstance(w, torch.Tensor):
+        return gemv(x, w) if x.shape[0] <= 4 else x @ w.T
+    if isinstance(w, IntPackedWeight):
+        return quant_matmul(x, w)
+    return fp8_linear(x, w)
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+def time_call(fn, reps: int = 20) -> float:
+    """Median seconds of fn(): CUDA-graph replays on the GPU, plain calls on the CPU."""
+    if DEVICE.type == "cpu":
+        t0 = time.perf_counter()  # the interpreter: one call (the numbers only show the script runs)
+        fn()
+        return time.perf_counter() - t0
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()  # compile and autotune outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs() -> float:
+    num_bytes = (1 << 20) if ARGS.smoke else (1 << 30)
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / time_call(lambda: dst.copy_(src)) / 1e9
+
+
+# ------------------------------------------------------------------------------------------ sections
+
+def weight_pass(fmt: str, shapes: dict, num_rows: int, results: dict, copy_gbs: float) -> dict:
+    """All layers' projections in `fmt` + a bf16 lm_head, one chain of matmuls at `num_rows` rows."""
+    layers = [[random_weight(fmt, n, k) for _, n, k in shapes["projections"]] for _ in range(shapes["num_layers"])]
+    lm_head = random_weight("bf16", shapes["vocab"], shapes["hidden"])
+    inputs = {k: torch.randn(num_rows, k, device=DEVICE, dtype=BF16) for _, _, k in shapes["projections"]}
+    ks = [k for _, _, k in shapes["projections"]]
+
+    def run():
+        for layer in layers:
+            for w, k in zip(layer, ks):
+                matmul(inputs[k], w)
+        matmul(inputs[shapes["hidden"]], lm_head)
+
+    seconds = time_call(run)
+    num_bytes = sum(nbytes(w) for layer in layers for w in layer) + nbytes(lm_head)
+    roofline = copy_gbs * 1e9 / num_bytes
+    row = {"format": fmt, "batch": num_rows, "pass_ms": round(seconds * 1e3, 3), "gb_per_step": round(num_bytes / 1e9, 3),
+           "gbs": round(num_bytes / seconds / 1e9, 1), "tok_s_per_seq": round(1 / seconds, 1),
+           "roofline_tok_s": round(roofline, 1), "ratio_to_roofline": round(1 / seconds / roofline, 3)}
+    del layers, lm_head
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def section_pass(shapes: dict, results: dict, num_rows: int) -> None:
+    copy_gbs = results["ceilings"]["copy_gbs"]
+    rows = []
+    for fmt in FORMATS:
+        try:
+            rows.append(weight_pass(fmt, shapes, num_rows, results, copy_gbs))
+        except Exception as exc:  # one format failing must not hide the others
+            rows.append({"format": fmt, "batch": num_rows, "error": f"{type(exc).__name__}: {exc}"})
+        print(rows[-1], flush=True)
+    bf16 = next((r for r in rows if r["format"] == "bf16" and "pass_ms" in r), None)
+    for r in rows:
+        if bf16 and "pass_ms" in r:
+            r["speed_vs_bf16"] = round(bf16["pass_ms"] / r["pass_ms"], 3)
+        if num_rows == 1 and r["format"] in TARGETS_B1:
+            r["target_tok_s"] = TARGETS_B1[r["format"]]
+    results[f"pass_b{num_rows}"] = rows
+
+
+def section_memory(shapes: dict, results: dict) -> None:
+    """int4 g128 projections (GPTQ layout) + bf16 embeddings and lm_head, as loaded; target <= 5.7 GB."""
+    torch.cuda.empty_cache() if DEVICE.type == "cuda" else None
+    before = torch.cuda.memory_allocated() if DEVICE.type == "cuda" else 0
+    layers = [[random_weight("int4_gptq_g128", n, k) for _, n, k in shapes["projections"]]
+              for _ in range(shapes["num_layers"])]
+    embed = [random_weight("bf16", shapes["vocab"], shapes["hidden"]) for _ in range(2)]  # embed_tokens, lm_head
+    counted = sum(nbytes(w) for layer in layers for w in layer) + sum(nbytes(w) for w in embed)
+    counted += shapes["num_layers"] * 2 * shapes["hidden"] * 2 + shapes["hidden"] * 2  # RMSNorm weights, bf16
+    allocated = (torch.cuda.memory_allocated() - before) if DEVICE.type == "cuda" else counted
+    results["memory"] = {"format": "int4_gptq_g128", "weights_gb": round(counted / 1e9, 3),
+                         "allocated_gb": round(allocated / 1e9, 3), "target_gb": 5.7}
+    print(results["memory"], flush=True)
+    del layers, embed
+
+
+def section_sweep(shapes: dict, results: dict) -> None:
+    """Batch-1 GEMV tiles per projection shape, GB/s (weights rotated over > L2 so each call reads memory)."""
+    rows = []
+    tiles = [(bn, bk, nw) for bn in (4, 8, 16, 32) for bk in (128, 256, 512) for nw in (4, 8)]
+    formats = ("int4_gptq_g128", "q4_k", "q8_0")
+    if ARGS.smoke:
+        tiles, formats = tiles[:1], formats[:1]
+    for fmt in formats:
+        for name, n, k in shapes["projections"]:
+            copies = 1 if ARGS.smoke else max(2, (256 << 20) // (n * k // 2))
+            ws = [random_weight(fmt, n, k) for _ in range(copies)]
+            x = torch.randn(1, k, device=DEVICE, dtype=BF16)
+            best = None
+            for bn, bk, nw in tiles:
+                try:
+                    seconds = time_call(lambda: [quant_gemv(x, w, block_n=bn, block_k=bk, num_warps=nw) for w in ws])
+                except Exception:  # a tile past the register budget
+                    continue
+                gbs = sum(w.nbytes for w in ws) / seconds / 1e9
+                if best is None or gbs > best["gbs"]:
+                    best = {"format": fmt, "projection": name, "n": n, "k": k, "block_n": bn, "block_k": bk,
+                            "num_warps": nw, "gbs": round(gbs, 1)}
+            rows.append(best)
+            print(best, flush=True)
+            del ws
+    results["sweep"] = rows
+
+
+def section_served(results: dict) -> None:
+    """The engine's decode per `--quantization`, as bench/gpu_perf.py measures bf16."""
+    from inference_service.config import EngineConfig
+
+    if "quantization" not in EngineConfig.__dataclass_fields__:
+        results["served"] = {"skipped": "EngineConfig has no `quantization` yet (the quantized Linear is not wired "
+                                        "into the model); the weight passes above bound the decode speed"}
+        print(results["served"], flush=True)
+        return
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import gpu_common
+    import gpu_perf
+
+    gpu_common.DEVICE = DEVICE.type
+    rows = {}
+    for method in ("int4", "int8", "fp8"):
+        try:
+            loaded, _ = gpu_perf.load_llama()
+            engine = gpu_common.make_engine(loaded.model_path, DEVICE.type, "bfloat16", load_format="dummy",
+                                            loaded=loaded, quantization=method)
+            from inference_service.engine.sampling_params import SamplingParams
+
+            params = SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True)
+            prompt = torch.randint(0, 128000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+            engine.add_request(engine.input_processor.process("bench", prompt, params))
+            stamps = [time.perf_counter()]
+            while engine.has_unfinished:
+                engine.step()
+                stamps.append(time.perf_counter())
+            rows[method] = {"decode_tok_s": round(511 / (stamps[-1] - stamps[1]), 1)}
+        except Exception as exc:
+            rows[method] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(method, rows[method], flush=True)
+    results["served"] = rows
+
+
+# ------------------------------------------------------------------------------------------ report
+
+def environment() -> dict:
+    import triton
+
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (Triton interpreter)",
+            "torch": torch.__version__, "triton": triton.__version__, "commit": commit,
+            "date": datetime.date.today().isoformat(), "smoke": ARGS.smoke}
+
+
+def markdown(results: dict) -> str:
+    env = results["env"]
+    lines = [f"# Quantized weight passes: {env['device']}, torch {env['torch']}, Triton {env['triton']}, "
+             f"commit `{env['commit']}`, {env['date']}", ""]
+    if "ceilings" in results:
+        lines += [f"Copy bandwidth (read + write): **{results['ceilings']['copy_gbs']} GB/s**", ""]
+    for key in ("pass_b1", "pass_b16", "pass_b256"):
+        if key not in results:
+            continue
+        lines += [f"## {key}", "", "| format | GB a step | pass (ms) | tok/s a sequence | GB/s | roofline tok/s | "
+                  "% of roofline | vs bf16 | target |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in results[key]:
+            if "error" in r:
+                lines.append(f"| {r['format']} | error: {r['error'][:120]} | | | | | | | |")
+                continue
+            target = r.get("target_tok_s")
+            verdict = "" if target is None else f"{target}: {'met' if r['tok_s_per_seq'] >= target else 'missed'}"
+            lines.append(f"| {r['format']} | {r['gb_per_step']} | {r['pass_ms']} | {r['tok_s_per_seq']} | {r['gbs']} | "
+                         f"{r['roofline_tok_s']} | {100 * r['ratio_to_roofline']:.0f}% | {r.get('speed_vs_bf16', '')} | "
+                         f"{verdict} |")
+        lines.append("")
+    for key in ("memory", "served"):
+        if key in results:
+            lines += [f"## {key}", "", "```", json.dumps(results[key], indent=1), "```", ""]
+    if results.get("sweep"):
+        lines += ["## sweep (batch 1 GEMV, best tile)", "", "| format | projection | N x K | tile | GB/s |",
+                  "|---|---|---|---|---:|"]
+        lines += [f"| {r['format']} | {r['projection']} | {r['n']} x {r['k']} | {r['block_n']} x {r['block_k']}, "
+                  f"{r['num_warps']} warps | {r['gbs']} |" for r in results["sweep"] if r]
+    if results.get("errors"):
+        lines += ["## errors", "", "```", *results["errors"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    os.makedirs(ARGS.out, exist_ok=True)
+    only = set(filter(None, ARGS.only.split(",")))
+    shapes = model_shapes()
+    results: dict = {"env": environment(), "shapes": shapes, "errors": []}
+    sections = [("ceilings", lambda: results.__setitem__("ceilings", {"copy_gbs": round(copy_bandwidth_gbs(), 1)})),
+                ("pass_b1", lambda: section_pass(shapes, results, 1)),
+                ("pass_b16", lambda: section_pass(shapes, results, 16)),
+                ("pass_b256", lambda: section_pass(shapes, results, 256 if not ARGS.smoke else 20)),
+                ("memory", lambda: section_memory(shapes, results)),
+                ("sweep", lambda: section_sweep(shapes, results) if ARGS.sweep else None),
+                ("served", lambda: section_served(results) if not ARGS.smoke else None)]
+    for name, run in sections:
+        if only and name not in only and name != "ceilings":
+            continue
+        t0 = time.perf_counter()
+        try:
+            run()
+        except Exception:
+            results["errors"].append(f"{name}: {traceback.format_exc()}")
+            print(results["errors"][-1], flush=True)
+        print(f"[{name}: {time.perf_counter() - t0:.1f} s]", flush=True)
+    with open(os.path.join(ARGS.out, "gpu_quant.json"), "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(ARGS.out, "gpu_quant.md"), "w", encoding="utf-8") as f:
+        f.write(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
