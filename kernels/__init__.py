@@ -8,8 +8,11 @@ from kernels._common import FP8_DTYPE, FP8_MAX
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.attention_ref import paged_decode_attention_ref
 from kernels.decode_attention import paged_decode_attention
+from kernels.fp8_gemm import Fp8Weight, fp8_linear, fp8_matmul_ref
 from kernels.gemv import MAX_GEMV_ROWS, gemv, gemv_ref
 from kernels.kv_write import quantize_fp8_ref, write_kv_cache, write_kv_cache_ref
+from kernels.quant_gemm import quant_matmul
+from kernels.quant_layout import IntPackedWeight, dequantize_int, quant_matmul_ref
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary, build_cos_sin_cache, rope_inv_freq, rotary_ref
@@ -18,10 +21,15 @@ from kernels.split_kv import choose_num_kv_splits
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
+    "Fp8Weight",
+    "IntPackedWeight",
     "MAX_GEMV_ROWS",
     "apply_rotary",
     "build_cos_sin_cache",
     "choose_num_kv_splits",
+    "dequantize_int",
+    "fp8_linear",
+    "fp8_matmul_ref",
     "fused_add_rms_norm",
     "gemv",
     "gemv_ref",
@@ -29,6 +37,8 @@ __all__ = [
     "paged_decode_attention_ref",
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
+    "quant_matmul",
+    "quant_matmul_ref",
     "quantize_fp8_ref",
     "rms_norm",
     "rms_norm_ref",

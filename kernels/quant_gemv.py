@@ -57,11 +57,13 @@ def _quant_gemv_kernel(
 
 
 def quant_gemv_config(num_rows: int, n: int) -> dict:
-    """Tiles: the register budget is BLOCK_M x BLOCK_N x BLOCK_K / 2 products, so more rows narrow the
-    column tile; a first guess for the GPU (bench/gpu_quant.py --sweep measures it)."""
+    """Tiles (a first guess for the GPU; `bench/gpu_quant.py --sweep` measures them): output columns a
+    program as `gemv` picks them (enough programs to fill the SMs, fewer columns the wider the layer),
+    and a K tile that keeps the BLOCK_M x BLOCK_N x BLOCK_K / 2 products of one step near 4096."""
     block_m = next_pow2(num_rows)
-    block_n = max(4, 64 // block_m)
-    return {"block_n": block_n, "block_k": 256 if block_m <= 4 else 128, "num_warps": 4, "num_stages": 3}
+    block_n = 4 if n >= 16384 else 8 if n >= 6144 else 16
+    block_k = max(64, min(1024, 8192 // (block_m * block_n)))
+    return {"block_n": block_n, "block_k": block_k, "num_warps": 8 if block_k >= 512 else 4, "num_stages": 3}
 
 
 def quant_gemv(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = None, *,
