@@ -16,11 +16,14 @@ from inference_service.model.quant import (
     QuantizationConfigError,
     QuantMethod,
     describe_weight,
+    group_layer_tensors,
+    is_in_situ_target,
     pack_checkpoint_linear,
     parse_quantization_config,
     quantize_in_situ,
     repack_gguf,
     select_rows,
+    summarize,
 )
 from inference_service.model.quant.checkpoint import AWQ_ORDER
 from kernels import FP8_DTYPE
@@ -260,3 +263,37 @@ def test_malformed_tensors_name_the_tensor():
     fp8 = parse_quantization_config({"quant_method": "fp8", "weight_block_size": [128, 128]})
     with pytest.raises(QuantizationConfigError, match=r"down_proj.weight: expected torch.float8_e4m3fn"):
         pack_checkpoint_linear(fp8, "down_proj", {"weight": torch.ones(128, 128), "weight_scale_inv": torch.ones(1, 1)})
+
+
+# ---- loading helpers ---------------------------------------------------------------------------
+
+def test_group_layer_tensors_and_in_situ_targets():
+    spec = parse_quantization_config({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True})
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.qweight", "model.layers.0.self_attn.q_proj.qzeros",
+             "model.layers.0.self_attn.q_proj.scales", "model.layers.0.self_attn.q_proj.g_idx",
+             "model.layers.0.self_attn.q_proj.bias", "model.layers.0.input_layernorm.weight", "lm_head.weight"]
+    layers, rest = group_layer_tensors(names, spec)
+    assert layers == {"model.layers.0.self_attn.q_proj": {s: f"model.layers.0.self_attn.q_proj.{s}"
+                                                          for s in ("qweight", "qzeros", "scales", "g_idx")}}
+    assert rest == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.bias",
+                    "model.layers.0.input_layernorm.weight", "lm_head.weight"]
+    fp8 = parse_quantization_config({"quant_method": "fp8", "weight_block_size": [128, 128]})
+    layers, rest = group_layer_tensors(["a.down_proj.weight", "a.down_proj.weight_scale_inv", "a.norm.weight"], fp8)
+    assert layers == {"a.down_proj": {"weight": "a.down_proj.weight", "weight_scale_inv": "a.down_proj.weight_scale_inv"}}
+    assert rest == ["a.norm.weight"]
+    w = torch.zeros(8, 8, dtype=torch.bfloat16)
+    assert is_in_situ_target("model.layers.3.mlp.down_proj.weight", w)
+    assert not is_in_situ_target("lm_head.weight", w)
+    assert not is_in_situ_target("model.embed_tokens.weight", w)
+    assert not is_in_situ_target("model.layers.3.self_attn.q_proj.bias", torch.zeros(8))
+
+
+def test_summary_reports_bits_and_memory():
+    w16 = torch.randn(256, 256, dtype=torch.bfloat16)
+    packed = quantize_in_situ(w16, "int4")
+    summary = summarize({"model.layers.0.mlp.down_proj": packed, "lm_head.weight": w16}, "in-situ int4")
+    assert (summary.quantization, summary.bits) == ("in-situ int4", 4)
+    assert summary.weight_bytes == packed.nbytes + w16.nbytes == 256 * 128 + 256 * 2 * 2 + 256 * 256 * 2
+    assert summary.unquantized_bytes == 2 * w16.nbytes
+    assert summary.log_line().startswith("quantization in-situ int4: 4-bit projections, weights 0.00 GB")
+    assert summarize({"w": w16}, "in-situ int4").quantization == "none"

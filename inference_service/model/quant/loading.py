@@ -1,0 +1,81 @@
+"""What a loader needs around the packed forms: which checkpoint tensors make up one quantized layer,
+which 16-bit tensors in-situ quantization takes, and the summary GetModelInfo, /v1/models and the
+startup log report (quantization, bits, weight memory)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from inference_service.model.quant.config import QuantMethod, QuantSpec
+from inference_service.model.quant.summary import PackedWeight, describe_weight
+
+# The tensor that marks a quantized layer, and every suffix the layer owns, per method.
+_MARKER = {QuantMethod.GPTQ: "qweight", QuantMethod.AWQ: "qweight", QuantMethod.PACKED_INT: "weight_packed"}
+_SUFFIXES = {QuantMethod.GPTQ: ("qweight", "qzeros", "scales", "g_idx"),
+             QuantMethod.AWQ: ("qweight", "qzeros", "scales"),
+             QuantMethod.PACKED_INT: ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"),
+             QuantMethod.FP8: ("weight", "weight_scale", "weight_scale_inv", "input_scale")}
+# Linear layers of a decoder block that in-situ quantization takes (embeddings, lm_head, norms stay).
+IN_SITU_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def group_layer_tensors(names: Iterable[str], spec: QuantSpec) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """Checkpoint tensor names -> ({layer prefix: {suffix: name}} of the quantized layers, the other names).
+
+    A layer is quantized when its marker tensor is present (`qweight`, `weight_packed`, or for fp8 the
+    scale named by the config); `spec.ignore` layers are then an error elsewhere, not here."""
+    names = list(names)
+    marker = _MARKER.get(spec.method, spec.fp8_scale_name)
+    prefixes = {n[: -len(marker) - 1] for n in names if n.endswith("." + marker)}
+    layers: dict[str, dict[str, str]] = {p: {} for p in prefixes}
+    rest = []
+    for name in names:
+        prefix, _, suffix = name.rpartition(".")
+        if prefix in layers and suffix in _SUFFIXES[spec.method]:
+            layers[prefix][suffix] = name
+        else:
+            rest.append(name)
+    return layers, rest
+
+
+def is_in_situ_target(name: str, tensor: torch.Tensor) -> bool:
+    """Whether `--quantization` quantizes this checkpoint tensor: a decoder block's projection weight."""
+    parts = name.split(".")
+    return (tensor.dim() == 2 and len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in IN_SITU_PROJECTIONS
+            and tensor.dtype in (torch.float16, torch.bfloat16, torch.float32))
+
+
+@dataclass(frozen=True)
+class QuantizationSummary:
+    """What the server reports: `quantization` ("none", "gptq", "gguf Q4_K", "in-situ int4", ...),
+    `bits` of the quantized projections (16 when none), `weight_bytes` of every weight on the device,
+    `unquantized_bytes` what the same weights take in the 16-bit dtype."""
+
+    quantization: str
+    bits: int
+    weight_bytes: int
+    unquantized_bytes: int
+
+    def log_line(self) -> str:
+        saved = self.unquantized_bytes - self.weight_bytes
+        return (f"quantization {self.quantization}: {self.bits}-bit projections, weights {self.weight_bytes / 1e9:.2f} GB "
+                f"({saved / 1e9:.2f} GB less than 16-bit)")
+
+
+def summarize(weights: Mapping[str, PackedWeight | torch.Tensor], quantization: str) -> QuantizationSummary:
+    """The summary of a loaded model's weights (packed layers and plain tensors, by name)."""
+    packed = [w for w in weights.values() if not isinstance(w, torch.Tensor)]
+    bits = {describe_weight(w)["bits"] for w in packed}
+    total = unquantized = 0
+    for w in weights.values():
+        if isinstance(w, torch.Tensor):
+            total += w.numel() * w.element_size()
+            unquantized += w.numel() * min(w.element_size(), 2)
+        else:
+            n, k = w.shape
+            total += w.nbytes
+            unquantized += n * k * 2
+    return QuantizationSummary(quantization if packed else "none", max(bits) if bits else 16, total, unquantized)
