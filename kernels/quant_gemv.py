@@ -5,6 +5,10 @@ bytes. Each program owns BLOCK_N output columns for every row of x: it streams i
 weight once (`dequant_tile`: codes, scales and zeros widened to fp32 in registers), multiplies them
 into all rows of x by broadcast products reduced along K, and rounds once at the end. No tensor cores:
 at a few rows they would idle, and the dequantization, not the products, is the work besides the loads.
+
+The fused decoder's options are those of `kernels.gemv`: `gated` (x = [gate | up], the input is
+silu(gate) * up), `norm_weight` (the input is rms_norm(x) * norm_weight: the sums of squares ride along
+the K loop and scale the sums at the end) and `residual` (added to the output before rounding).
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ def _quant_gemv_kernel(
     x_ptr,  # [M, K] activations
     perm_ptr,  # [K] int32 packed column -> x column, or any pointer when not HAS_PERM
     b_ptr,  # [N] bias, or any pointer when not HAS_BIAS
+    nw_ptr,  # [K] RMSNorm weight, or any pointer when not NORM
+    r_ptr,  # [M, N] residual, or any pointer when not RESIDUAL
     y_ptr,  # [M, N]
     qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, stride_qs, stride_qh, stride_s,  # the packed weight
-    M, N, K, stride_xm, stride_ym,
+    M, N, K, eps, stride_xm, stride_rm, stride_ym,
     BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
@@ -36,6 +43,7 @@ def _quant_gemv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w_lo, w_hi, cols_lo, cols_hi, _ = dequant_tile(
             qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s,
@@ -45,15 +53,34 @@ def _quant_gemv_kernel(
             cols_lo = tl.load(perm_ptr + cols_lo, mask=in_k, other=0)
             cols_hi = tl.load(perm_ptr + cols_hi, mask=in_k, other=0)
         x_mask = (offs_m[:, None] < M) & in_k[None, :]
-        x_lo = tl.load(x_rows + cols_lo[None, :], mask=x_mask, other=0.0).to(tl.float32)  # [BM, BK/2]
-        x_hi = tl.load(x_rows + cols_hi[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        x_lo = _load_x(x_rows, cols_lo, x_mask, K, GATED)  # [BM, BK/2] fp32
+        x_hi = _load_x(x_rows, cols_hi, x_mask, K, GATED)
+        if NORM:
+            squares += tl.sum(x_lo * x_lo, axis=1) + tl.sum(x_hi * x_hi, axis=1)
+            x_lo *= tl.load(nw_ptr + cols_lo, mask=in_k, other=0.0).to(tl.float32)[None, :]
+            x_hi *= tl.load(nw_ptr + cols_hi, mask=in_k, other=0.0).to(tl.float32)[None, :]
         acc += tl.sum(x_lo[:, None, :] * w_lo[None, :, :], axis=2)
         acc += tl.sum(x_hi[:, None, :] * w_hi[None, :, :], axis=2)
+    if NORM:
+        acc = acc / tl.sqrt(squares / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if RESIDUAL:
+        acc += tl.load(r_ptr + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :], mask=y_mask,
+                       other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], cast(acc, y_ptr.dtype.element_ty),
              mask=y_mask)
+
+
+@triton.jit
+def _load_x(x_rows, cols, mask, K, GATED: tl.constexpr):
+    """Columns `cols` of the rows of x, in fp32: x itself, or silu(gate) * up of x = [gate | up]."""
+    if GATED:
+        gate = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_rows + K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        return gate * tl.sigmoid(gate) * up
+    return tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
 def quant_gemv_config(num_rows: int, n: int) -> dict:
@@ -66,13 +93,14 @@ def quant_gemv_config(num_rows: int, n: int) -> dict:
     return {"block_n": block_n, "block_k": block_k, "num_warps": 8 if block_k >= 512 else 4, "num_stages": 3}
 
 
-def quant_gemv(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = None, *,
+def quant_gemv(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = None, *, gated: bool = False,
+               norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
                out: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
-    """x [M, K] (M <= MAX_QUANT_GEMV_ROWS) @ dequant(w).T + bias -> [M, N] in x's dtype, fp32 accumulation.
-    Arguments are checked by `quant_matmul`, the entry point."""
-    num_rows, k = x.shape
-    n = w.shape[0]
+    """x [M, K] ([M, 2K] when gated; M <= MAX_QUANT_GEMV_ROWS) @ dequant(w).T + bias (+ residual) -> [M, N]
+    in x's dtype, fp32 accumulation. Arguments are checked by `quant_matmul`, the entry point."""
+    num_rows = x.shape[0]
+    n, k = w.shape
     if out is None:
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     tiles = quant_gemv_config(num_rows, n)
@@ -82,8 +110,10 @@ def quant_gemv(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = 
                                         "num_stages": num_stages or tiles["num_stages"]}
     args, consts = kernel_args(w)
     _quant_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w.perm if w.perm is not None else x, bias if bias is not None else x, out, *args,
-        num_rows, n, k, x.stride(0), out.stride(0), **consts, HAS_PERM=w.perm is not None,
-        HAS_BIAS=bias is not None, BLOCK_M=next_pow2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
+        x, w.perm if w.perm is not None else x, bias if bias is not None else x,
+        norm_weight if norm_weight is not None else x, residual if residual is not None else x, out, *args,
+        num_rows, n, k, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), **consts,
+        HAS_PERM=w.perm is not None, HAS_BIAS=bias is not None, GATED=gated, NORM=norm_weight is not None,
+        RESIDUAL=residual is not None, BLOCK_M=next_pow2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
         **opts, **pdl_args(x.device))
     return out

@@ -152,10 +152,14 @@ def dequantize_int(w: IntPackedWeight, dtype: torch.dtype = torch.float32, *, un
     return out
 
 
-def quant_matmul_ref(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """float64 x [M, K] @ dequant(w).T (+ bias): the reference of every integer kernel."""
-    y = x.double() @ dequantize_int(w, torch.float64).T
-    return y if bias is None else y + bias.double()
+def quant_matmul_ref(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = None, gated: bool = False,
+                     norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 x [M, K] @ dequant(w).T (+ bias, fused options as `kernels.gemv_ref`): the reference of
+    every integer kernel."""
+    from kernels.gemv import gemv_ref  # noqa: PLC0415 - gemv imports nothing of this module; kept local
+
+    return gemv_ref(x, dequantize_int(w, torch.float64).to(x.device), bias, gated, norm_weight, eps, residual)
 
 
 @triton.jit

@@ -100,3 +100,32 @@ def test_layout_and_arguments_are_checked():
         IntPackedWeight(5, 32, torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 2, dtype=torch.float16))
     with pytest.raises(ValueError, match="codes outside 0..15"):
         pack_int(torch.full((2, 32), 16), 4, 32, torch.ones(2, 1))
+
+
+@pytest.mark.parametrize("variant", ["gated_residual", "norm", "bias_norm_residual"])
+@pytest.mark.parametrize("num_rows", [1, 4, MAX_QUANT_GEMV_ROWS])
+def test_fused_decoder_options(variant, num_rows):
+    """The decoder's fusions as `gemv` has them: down (gated, residual), qkv / gate_up (norm, bias), o (residual)."""
+    gated, has_bias, has_norm, has_res = ("gated" in variant, "bias" in variant, "norm" in variant, "residual" in variant)
+    gen = torch.Generator().manual_seed(num_rows + 3 * len(variant))
+    for n, k in SHAPES:
+        w = random_packed(n, k, *VARIANTS["gptq_g128_actorder" if has_norm else "q4_1_g32"], gen)
+        x = (3 * torch.randn(num_rows, (2 if gated else 1) * k, generator=gen)).to(torch.bfloat16).to(DEVICE)
+        bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEVICE) if has_bias else None
+        norm_w = (1 + 0.3 * torch.randn(k, generator=gen)).to(torch.bfloat16).to(DEVICE) if has_norm else None
+        res = torch.randn(num_rows, n, generator=gen).to(torch.bfloat16).to(DEVICE) if has_res else None
+        out = poisoned((num_rows, n), torch.bfloat16)
+        quant_matmul(x, w, bias, gated=gated, norm_weight=norm_w, eps=1e-5, residual=res, out=out)
+        ref = quant_matmul_ref(x, w, bias, gated, norm_w, 1e-5, res)
+        assert rel_err(out, ref) < TOL[torch.bfloat16], (variant, n, k)
+
+
+def test_fused_options_are_decode_only():
+    gen = torch.Generator().manual_seed(8)
+    w = random_packed(8, 64, 4, 32, False, False, False, gen)
+    with pytest.raises(ValueError, match=r"x: 1..16 rows with gated / norm_weight / residual, got 17"):
+        quant_matmul(torch.randn(17, 64, device=DEVICE), w, residual=torch.randn(17, 8, device=DEVICE))
+    with pytest.raises(ValueError, match=r"x: expected \[M, 2K = 128\]"):
+        quant_matmul(torch.randn(2, 64, device=DEVICE), w, gated=True)
+    with pytest.raises(ValueError, match="norm_weight: expected"):
+        quant_matmul(torch.randn(2, 64, device=DEVICE), w, norm_weight=torch.ones(63, device=DEVICE))
