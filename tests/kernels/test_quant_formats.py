@@ -15,13 +15,16 @@ from compressed_tensors.quantization import QuantizationConfig, preset_name_to_s
 from inference_service.model.quant import (
     QuantizationConfigError,
     QuantMethod,
+    dequantize_packed,
     describe_weight,
     group_layer_tensors,
     is_in_situ_target,
     pack_checkpoint_linear,
+    packed_linear,
     parse_quantization_config,
     quantize_in_situ,
     repack_gguf,
+    repack_reader_tensor,
     select_rows,
     summarize,
 )
@@ -60,6 +63,21 @@ def test_gguf_repack_dequantizes_bit_exact_and_multiplies(type_name):
     x = torch.randn(3, cols, dtype=torch.bfloat16, device=DEVICE)
     ref = x.double() @ torch.from_numpy(expected).double().T.to(DEVICE)
     assert rel_err(quant_matmul(x, w.to(DEVICE)), ref) < TOL[torch.bfloat16]
+
+
+def test_gguf_file_tensor_repacks(tmp_path):
+    """Through a real GGUF file: the reader's tensor (dims fastest-first) repacks to the matrix gguf reads."""
+    rng = np.random.default_rng(2)
+    raw = random_gguf_blocks("Q6_K", 6, 512, rng)
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensor = gguf.GGUFReader(str(tmp_path / "t.gguf")).tensors[0]
+    expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(6, 512)
+    assert np.array_equal(dequantize_int(repack_reader_tensor(tensor)).numpy(), expected)
 
 
 def test_gguf_unpacked_type_is_refused():
@@ -297,3 +315,16 @@ def test_summary_reports_bits_and_memory():
     assert summary.unquantized_bytes == 2 * w16.nbytes
     assert summary.log_line().startswith("quantization in-situ int4: 4-bit projections, weights 0.00 GB")
     assert summarize({"w": w16}, "in-situ int4").quantization == "none"
+
+
+@pytest.mark.parametrize("method", ["int4", "fp8"])
+def test_packed_linear_over_leading_dims(method):
+    gen = torch.Generator().manual_seed(12)
+    w = quantize_in_situ(torch.randn(48, 256, generator=gen) * 0.02, method).to(DEVICE)
+    x = torch.randn(2, 3, 256, generator=gen).to(torch.bfloat16).to(DEVICE)
+    res = torch.randn(2, 3, 48, generator=gen).to(torch.bfloat16).to(DEVICE)
+    twin = dequantize_packed(w, torch.float64)
+    y = packed_linear(x, w, residual=res)
+    assert y.shape == (2, 3, 48) and y.dtype == torch.bfloat16
+    tol = TOL[torch.bfloat16] if method == "int4" else 0.06  # fp8 also quantizes x
+    assert rel_err(y, x.double() @ twin.T.to(DEVICE) + res.double()) < tol

@@ -84,6 +84,12 @@ def _repack_k_quant(blocks: np.ndarray, type_name: str) -> IntPackedWeight:
                     offsets=None if offsets is None else plane(offsets))
 
 
+def repack_reader_tensor(tensor) -> IntPackedWeight:
+    """A `gguf.GGUFReader` tensor ([rows, cols] matrix of a packed type) -> the packed layout."""
+    rows = int(tensor.shape[1])  # GGUF lists dims fastest-first
+    return repack_gguf(np.asarray(tensor.data).reshape(rows, -1), tensor.tensor_type.name)
+
+
 def select_rows(w: IntPackedWeight, index: np.ndarray | torch.Tensor) -> IntPackedWeight:
     """The weight with rows picked / reordered by `index` (llama.cpp's q/k row order undone)."""
     index = torch.as_tensor(np.ascontiguousarray(index), dtype=torch.int64)
