@@ -13,6 +13,7 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32,
 from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 
 from inference_service.model.quant import (
+    concat_rows,
     QuantizationConfigError,
     QuantMethod,
     dequantize_packed,
@@ -328,3 +329,22 @@ def test_packed_linear_over_leading_dims(method):
     assert y.shape == (2, 3, 48) and y.dtype == torch.bfloat16
     tol = TOL[torch.bfloat16] if method == "int4" else 0.06  # fp8 also quantizes x
     assert rel_err(y, x.double() @ twin.T.to(DEVICE) + res.double()) < tol
+
+
+def test_concat_rows_fuses_parts():
+    """q/k/v or gate/up stacked: each part keeps its own numbers (zeros, per-tensor fp8 scales)."""
+    gen = torch.Generator().manual_seed(13)
+    q = quantize_in_situ(torch.randn(32, 256, generator=gen), "int4")
+    k_part = IntPackedWeight(4, 128, q.qs[:16].clone(), torch.rand(16, 2, generator=gen).half(),
+                             zeros=torch.randint(0, 16, (16, 2), generator=gen).to(torch.uint8))
+    fused = concat_rows([q, k_part])
+    assert torch.equal(dequantize_int(fused), torch.cat([dequantize_int(q), dequantize_int(k_part)]))
+    with pytest.raises(ValueError, match=r"cannot stack 4-bit group 128 \[256 columns\] onto 8-bit group 256"):
+        concat_rows([quantize_in_situ(torch.randn(8, 256), "int8"), q])
+    a = Fp8Weight((torch.randn(16, 64) * 10).to(FP8_DTYPE), torch.tensor([[0.5]]), 16, 64)
+    b = Fp8Weight((torch.randn(8, 64) * 10).to(FP8_DTYPE), torch.tensor([[0.25]]), 8, 64)
+    fused = concat_rows([a, b])
+    assert (fused.block_n, fused.block_k) == (1, 64)
+    assert torch.equal(dequantize_fp8(fused), torch.cat([dequantize_fp8(a), dequantize_fp8(b)]))
+    with pytest.raises(ValueError, match="different formats"):
+        concat_rows([a, q])

@@ -88,14 +88,3 @@ def repack_reader_tensor(tensor) -> IntPackedWeight:
     """A `gguf.GGUFReader` tensor ([rows, cols] matrix of a packed type) -> the packed layout."""
     rows = int(tensor.shape[1])  # GGUF lists dims fastest-first
     return repack_gguf(np.asarray(tensor.data).reshape(rows, -1), tensor.tensor_type.name)
-
-
-def select_rows(w: IntPackedWeight, index: np.ndarray | torch.Tensor) -> IntPackedWeight:
-    """The weight with rows picked / reordered by `index` (llama.cpp's q/k row order undone)."""
-    index = torch.as_tensor(np.ascontiguousarray(index), dtype=torch.int64)
-
-    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.index_select(0, index.to(t.device)).contiguous()
-
-    return IntPackedWeight(w.bits, w.group_size, pick(w.qs), pick(w.scales), qh=pick(w.qh), zeros=pick(w.zeros),
-                           zero=w.zero, offsets=pick(w.offsets), perm=w.perm)
