@@ -188,19 +188,38 @@ def dequant_tile(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_q
             h_hi = tl.load(qh_ptr + rows * stride_qh + (cols_hi // PER)[None, :], mask=mask, other=0).to(tl.int32)
             q_lo = q_lo | (((h_lo >> ((cols_lo % PER) * HB)[None, :]) & ((1 << HB) - 1)) << 4)
             q_hi = q_hi | (((h_hi >> ((cols_hi % PER) * HB)[None, :]) & ((1 << HB) - 1)) << 4)
+    # NOTE: with groups of 32 or more, columns j and j + 16 of a 32-column span share their group:
+    # one load of scale / zero / offset serves both planes.
     g_lo = rows * stride_s + (cols_lo // GROUP)[None, :]
-    g_hi = rows * stride_s + (cols_hi // GROUP)[None, :]
+    s_lo = tl.load(s_ptr + g_lo, mask=mask, other=0.0).to(tl.float32)
     if HAS_ZEROS:
         z_lo = tl.load(z_ptr + g_lo, mask=mask, other=0).to(tl.float32)
-        z_hi = tl.load(z_ptr + g_hi, mask=mask, other=0).to(tl.float32)
     else:
         z_lo = ZERO
-        z_hi = ZERO
-    w_lo = tl.load(s_ptr + g_lo, mask=mask, other=0.0).to(tl.float32) * (q_lo.to(tl.float32) - z_lo)
-    w_hi = tl.load(s_ptr + g_hi, mask=mask, other=0.0).to(tl.float32) * (q_hi.to(tl.float32) - z_hi)
     if HAS_OFFSETS:
-        w_lo += tl.load(o_ptr + g_lo, mask=mask, other=0.0).to(tl.float32)
-        w_hi += tl.load(o_ptr + g_hi, mask=mask, other=0.0).to(tl.float32)
+        o_lo = tl.load(o_ptr + g_lo, mask=mask, other=0.0).to(tl.float32)
+    else:
+        o_lo = 0.0
+    if GROUP >= 32:
+        s_hi = s_lo
+        z_hi = z_lo
+        o_hi = o_lo
+    else:
+        g_hi = rows * stride_s + (cols_hi // GROUP)[None, :]
+        s_hi = tl.load(s_ptr + g_hi, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            z_hi = tl.load(z_ptr + g_hi, mask=mask, other=0).to(tl.float32)
+        else:
+            z_hi = ZERO
+        if HAS_OFFSETS:
+            o_hi = tl.load(o_ptr + g_hi, mask=mask, other=0.0).to(tl.float32)
+        else:
+            o_hi = 0.0
+    w_lo = s_lo * (q_lo.to(tl.float32) - z_lo)
+    w_hi = s_hi * (q_hi.to(tl.float32) - z_hi)
+    if HAS_OFFSETS:
+        w_lo += o_lo
+        w_hi += o_hi
     return w_lo, w_hi, cols_lo, cols_hi, mask
 
 
