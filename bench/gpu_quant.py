@@ -173,6 +173,7 @@ def weight_pass(fmt: str, shapes: dict, num_rows: int, results: dict, copy_gbs: 
     roofline = copy_gbs * 1e9 / num_bytes
     row = {"format": fmt, "batch": num_rows, "pass_ms": round(seconds * 1e3, 3), "gb_per_step": round(num_bytes / 1e9, 3),
            "gbs": round(num_bytes / seconds / 1e9, 1), "tok_s_per_seq": round(1 / seconds, 1),
+           "tok_s_total": round(num_rows / seconds, 1),
            "roofline_tok_s": round(roofline, 1), "ratio_to_roofline": round(1 / seconds / roofline, 3)}
     del layers, lm_head
     if DEVICE.type == "cuda":
@@ -180,7 +181,7 @@ def weight_pass(fmt: str, shapes: dict, num_rows: int, results: dict, copy_gbs: 
     return row
 
 
-def section_pass(shapes: dict, results: dict, num_rows: int) -> None:
+def section_pass(shapes: dict, results: dict, key: str, num_rows: int) -> None:
     copy_gbs = results["ceilings"]["copy_gbs"]
     rows = []
     for fmt in FORMATS:
@@ -195,13 +196,15 @@ def section_pass(shapes: dict, results: dict, num_rows: int) -> None:
             r["speed_vs_bf16"] = round(bf16["pass_ms"] / r["pass_ms"], 3)
         if num_rows == 1 and r["format"] in TARGETS_B1:
             r["target_tok_s"] = TARGETS_B1[r["format"]]
-    results[f"pass_b{num_rows}"] = rows
+    results[key] = rows
 
 
 def section_memory(shapes: dict, results: dict) -> None:
     """int4 g128 projections (GPTQ layout) + bf16 embeddings and lm_head, as loaded; target <= 5.7 GB."""
-    torch.cuda.empty_cache() if DEVICE.type == "cuda" else None
-    before = torch.cuda.memory_allocated() if DEVICE.type == "cuda" else 0
+    before = 0
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated()
     layers = [[random_weight("int4_gptq_g128", n, k) for _, n, k in shapes["projections"]]
               for _ in range(shapes["num_layers"])]
     embed = [random_weight("bf16", shapes["vocab"], shapes["hidden"]) for _ in range(2)]  # embed_tokens, lm_head
@@ -298,15 +301,15 @@ def markdown(results: dict) -> str:
     for key in ("pass_b1", "pass_b16", "pass_b256"):
         if key not in results:
             continue
-        lines += [f"## {key}", "", "| format | GB a step | pass (ms) | tok/s a sequence | GB/s | roofline tok/s | "
-                  "% of roofline | vs bf16 | target |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"## {key}", "", "| format | GB a step | pass (ms) | tok/s a sequence | tok/s all | GB/s | "
+                  "roofline tok/s | % of roofline | vs bf16 | target |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in results[key]:
             if "error" in r:
-                lines.append(f"| {r['format']} | error: {r['error'][:120]} | | | | | | | |")
+                lines.append(f"| {r['format']} | error: {r['error'][:120]} | | | | | | | | |")
                 continue
             target = r.get("target_tok_s")
             verdict = "" if target is None else f"{target}: {'met' if r['tok_s_per_seq'] >= target else 'missed'}"
-            lines.append(f"| {r['format']} | {r['gb_per_step']} | {r['pass_ms']} | {r['tok_s_per_seq']} | {r['gbs']} | "
+            lines.append(f"| {r['format']} | {r['gb_per_step']} | {r['pass_ms']} | {r['tok_s_per_seq']} | {r['tok_s_total']} | {r['gbs']} | "
                          f"{r['roofline_tok_s']} | {100 * r['ratio_to_roofline']:.0f}% | {r.get('speed_vs_bf16', '')} | "
                          f"{verdict} |")
         lines.append("")
@@ -329,9 +332,9 @@ def main() -> None:
     shapes = model_shapes()
     results: dict = {"env": environment(), "shapes": shapes, "errors": []}
     sections = [("ceilings", lambda: results.__setitem__("ceilings", {"copy_gbs": round(copy_bandwidth_gbs(), 1)})),
-                ("pass_b1", lambda: section_pass(shapes, results, 1)),
-                ("pass_b16", lambda: section_pass(shapes, results, 16)),
-                ("pass_b256", lambda: section_pass(shapes, results, 256 if not ARGS.smoke else 20)),
+                ("pass_b1", lambda: section_pass(shapes, results, "pass_b1", 1)),
+                ("pass_b16", lambda: section_pass(shapes, results, "pass_b16", 16)),
+                ("pass_b256", lambda: section_pass(shapes, results, "pass_b256", 256 if not ARGS.smoke else 20)),
                 ("memory", lambda: section_memory(shapes, results)),
                 ("sweep", lambda: section_sweep(shapes, results) if ARGS.sweep else None),
                 ("served", lambda: section_served(results) if not ARGS.smoke else None)]

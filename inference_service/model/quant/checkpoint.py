@@ -69,8 +69,9 @@ def _expect(cond: bool, name: str, message: str) -> None:
 def _int_weight(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
                 perm: torch.Tensor | None = None) -> IntPackedWeight:
     """Codes [N, K], scales / zeros [N, K/G]: zeros that are one value everywhere (symmetric
-    checkpoints) become the constant `zero`, so the kernels read no zeros plane."""
-    scales = scales.to(torch.float16) if scales.dtype == torch.float32 else scales
+    checkpoints) become the constant `zero`, so the kernels read no zeros plane. Scales keep their
+    dtype (an fp32 scale rounded to fp16 would change the numbers)."""
+    scales = scales.contiguous()
     if zeros is not None and bool((zeros == zeros.flatten()[0]).all()) and 0 <= int(zeros.flatten()[0]) < 16:
         return pack_int(codes, 4, group, scales, zero=int(zeros.flatten()[0]), perm=perm)
     return pack_int(codes, 4, group, scales, zeros=zeros, perm=perm)
@@ -128,7 +129,7 @@ def _packed_int(spec: QuantSpec, prefix: str, packed, scale, shape) -> IntPacked
     group = spec.group_size or k
     _expect(k % group == 0, f"{prefix}.weight_packed", f"K={k} is not a multiple of group_size {group}")
     _expect(tuple(scale.shape) == (n, k // group), f"{prefix}.weight_scale", f"expected [{n}, {k // group}], got {tuple(scale.shape)}")
-    scale = scale.to(torch.float16) if scale.dtype == torch.float32 else scale
+    scale = scale.contiguous()
     if spec.bits == 8:  # byte i (bits 8i) of word c is column 4c + i
         shifts = torch.arange(4, dtype=torch.int32, device=packed.device) * 8
         codes = ((packed.unsqueeze(-1) >> shifts) & 0xFF).reshape(n, k)
