@@ -266,6 +266,13 @@ def test_malformed_config_names_the_field(cfg, field):
     assert str(info.value).startswith(f"quantization_config: {field}: ")
 
 
+def test_config_type_errors_read_plainly():
+    with pytest.raises(QuantizationConfigError, match=r"^quantization_config: desc_act: expected bool, got 'yes'$"):
+        parse_quantization_config({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": "yes"})
+    with pytest.raises(QuantizationConfigError, match=r"^quantization_config: bits: expected int, got True$"):
+        parse_quantization_config({"quant_method": "gptq", "bits": True, "group_size": 128})
+
+
 def test_malformed_tensors_name_the_tensor():
     spec = parse_quantization_config({"quant_method": "gptq", "bits": 4, "group_size": 128})
     qweight, qzeros = gptq_pack_ref(np.zeros((256, 16), np.int64), np.ones((2, 16), np.int64))

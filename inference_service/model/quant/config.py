@@ -10,6 +10,7 @@ fallback to wrong numbers.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,8 +53,6 @@ class QuantSpec:
             raise QuantizationConfigError("group_size", f"a positive multiple of 32 or -1, got {self.group_size}")
 
     def is_ignored(self, module: str) -> bool:
-        import re
-
         for pattern in self.ignore:
             if pattern.startswith("re:") and re.match(pattern[3:], module):
                 return True
@@ -70,7 +69,8 @@ def _get(cfg: dict, field: str, path: str, types: type | tuple, default: Any = .
     value = cfg[field]
     allowed = types if isinstance(types, tuple) else (types,)
     if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):  # bool is an int
-        raise QuantizationConfigError(path + field, f"expected {types}, got {value!r}")
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+        raise QuantizationConfigError(path + field, f"expected {names}, got {value!r}")
     return value
 
 
