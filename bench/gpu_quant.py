@@ -50,13 +50,13 @@ ARGS = parse_args()
 if ARGS.smoke:  # NOTE: before `kernels` (triton.jit) is imported
     os.environ["TRITON_INTERPRET"] = "1"
 
-import torch  # noqa: E402
+import torch
 
-from kernels import gemv  # noqa: E402
-from kernels.fp8_gemm import Fp8Weight, fp8_linear  # noqa: E402
-from kernels.quant_gemm import quant_gemm, quant_matmul  # noqa: E402
-from kernels.quant_gemv import quant_gemv  # noqa: E402
-from kernels.quant_layout import IntPackedWeight  # noqa: E402
+from kernels import gemv
+from kernels.fp8_gemm import Fp8Weight, fp8_linear
+from kernels.quant_gemm import quant_matmul
+from kernels.quant_gemv import quant_gemv
+from kernels.quant_layout import IntPackedWeight
 
 DEVICE = torch.device("cpu" if ARGS.smoke else "cuda")
 BF16 = torch.bfloat16
@@ -175,10 +175,12 @@ def weight_pass(fmt: str, shapes: dict, num_rows: int, results: dict, copy_gbs: 
            "gbs": round(num_bytes / seconds / 1e9, 1), "tok_s_per_seq": round(1 / seconds, 1),
            "tok_s_total": round(num_rows / seconds, 1),
            "roofline_tok_s": round(roofline, 1), "ratio_to_roofline": round(1 / seconds / roofline, 3)}
-    del layers, lm_head
+    return row
+
+
+def free_memory() -> None:
     if DEVICE.type == "cuda":
         torch.cuda.empty_cache()
-    return row
 
 
 def section_pass(shapes: dict, results: dict, key: str, num_rows: int) -> None:
@@ -187,8 +189,9 @@ def section_pass(shapes: dict, results: dict, key: str, num_rows: int) -> None:
     for fmt in FORMATS:
         try:
             rows.append(weight_pass(fmt, shapes, num_rows, results, copy_gbs))
-        except Exception as exc:  # one format failing must not hide the others
+        except Exception as exc:  # noqa: BLE001 - one format failing must not hide the others
             rows.append({"format": fmt, "batch": num_rows, "error": f"{type(exc).__name__}: {exc}"})
+        free_memory()  # the format's weights went with weight_pass's frame
         print(rows[-1], flush=True)
     bf16 = next((r for r in rows if r["format"] == "bf16" and "pass_ms" in r), None)
     for r in rows:
@@ -214,7 +217,6 @@ def section_memory(shapes: dict, results: dict) -> None:
     results["memory"] = {"format": "int4_gptq_g128", "weights_gb": round(counted / 1e9, 3),
                          "allocated_gb": round(allocated / 1e9, 3), "target_gb": 5.7}
     print(results["memory"], flush=True)
-    del layers, embed
 
 
 def section_sweep(shapes: dict, results: dict) -> None:
@@ -232,8 +234,9 @@ def section_sweep(shapes: dict, results: dict) -> None:
             best = None
             for bn, bk, nw in tiles:
                 try:
-                    seconds = time_call(lambda: [quant_gemv(x, w, block_n=bn, block_k=bk, num_warps=nw) for w in ws])
-                except Exception:  # a tile past the register budget
+                    seconds = time_call(gemv_calls(x, ws, bn, bk, nw))
+                except Exception as exc:  # noqa: BLE001 - a tile past the register budget
+                    print(f"{fmt} {name} tile {bn} x {bk}, {nw} warps: {type(exc).__name__}", flush=True)
                     continue
                 gbs = sum(w.nbytes for w in ws) / seconds / 1e9
                 if best is None or gbs > best["gbs"]:
@@ -241,8 +244,13 @@ def section_sweep(shapes: dict, results: dict) -> None:
                             "num_warps": nw, "gbs": round(gbs, 1)}
             rows.append(best)
             print(best, flush=True)
-            del ws
+            ws.clear()
+            free_memory()
     results["sweep"] = rows
+
+
+def gemv_calls(x: torch.Tensor, ws: list[IntPackedWeight], block_n: int, block_k: int, num_warps: int):
+    return lambda: [quant_gemv(x, w, block_n=block_n, block_k=block_k, num_warps=num_warps) for w in ws]
 
 
 def section_served(results: dict) -> None:
@@ -275,7 +283,7 @@ def section_served(results: dict) -> None:
                 engine.step()
                 stamps.append(time.perf_counter())
             rows[method] = {"decode_tok_s": round(511 / (stamps[-1] - stamps[1]), 1)}
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - report and go on with the next method
             rows[method] = {"error": f"{type(exc).__name__}: {exc}"}
         print(method, rows[method], flush=True)
     results["served"] = rows
@@ -286,7 +294,8 @@ def section_served(results: dict) -> None:
 def environment() -> dict:
     import triton
 
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            check=False).stdout.strip()
     return {"device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (Triton interpreter)",
             "torch": torch.__version__, "triton": triton.__version__, "commit": commit,
             "date": datetime.date.today().isoformat(), "smoke": ARGS.smoke}
@@ -294,15 +303,17 @@ def environment() -> dict:
 
 def markdown(results: dict) -> str:
     env = results["env"]
-    lines = [f"# Quantized weight passes: {env['device']}, torch {env['torch']}, Triton {env['triton']}, "
-             f"commit `{env['commit']}`, {env['date']}", ""]
+    title = (f"# Quantized weight passes: {env['device']}, torch {env['torch']}, Triton {env['triton']}, "
+             f"commit `{env['commit']}`, {env['date']}")
+    lines = [title, ""]
     if "ceilings" in results:
         lines += [f"Copy bandwidth (read + write): **{results['ceilings']['copy_gbs']} GB/s**", ""]
     for key in ("pass_b1", "pass_b16", "pass_b256"):
         if key not in results:
             continue
-        lines += [f"## {key}", "", "| format | GB a step | pass (ms) | tok/s a sequence | tok/s all | GB/s | "
-                  "roofline tok/s | % of roofline | vs bf16 | target |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        header = ("| format | GB a step | pass (ms) | tok/s a sequence | tok/s all | GB/s | roofline tok/s | "
+                  "% of roofline | vs bf16 | target |")
+        lines += [f"## {key}", "", header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in results[key]:
             if "error" in r:
                 lines.append(f"| {r['format']} | error: {r['error'][:120]} | | | | | | | | |")
@@ -344,7 +355,7 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             run()
-        except Exception:
+        except Exception:  # noqa: BLE001 - report and go on with the next section
             results["errors"].append(f"{name}: {traceback.format_exc()}")
             print(results["errors"][-1], flush=True)
         print(f"[{name}: {time.perf_counter() - t0:.1f} s]", flush=True)

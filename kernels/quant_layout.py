@@ -138,7 +138,6 @@ def dequantize_int(w: IntPackedWeight, dtype: torch.dtype = torch.float32, *, un
     """The weight [N, K] in `dtype` (float32: the formula's own rounding, bit-exact with GGUF's; float64:
     the exact values of the reference). `unpermute`: columns in the checkpoint's order, else packed."""
     codes = unpack_codes(w).to(dtype)
-    n, k = w.shape
 
     def per_column(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype).repeat_interleave(w.group_size, dim=1)
@@ -157,7 +156,7 @@ def quant_matmul_ref(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | N
                      residual: torch.Tensor | None = None) -> torch.Tensor:
     """float64 x [M, K] @ dequant(w).T (+ bias, fused options as `kernels.gemv_ref`): the reference of
     every integer kernel."""
-    from kernels.gemv import gemv_ref  # noqa: PLC0415 - gemv imports nothing of this module; kept local
+    from kernels.gemv import gemv_ref
 
     return gemv_ref(x, dequantize_int(w, torch.float64).to(x.device), bias, gated, norm_weight, eps, residual)
 

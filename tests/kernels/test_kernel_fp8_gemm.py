@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from kernels import FP8_DTYPE
-from kernels.fp8_gemm import Fp8Weight, dequantize_fp8, fp8_gemm, fp8_linear, fp8_matmul_ref, quantize_fp8_groups
+from kernels.fp8_gemm import (
+    Fp8Weight,
+    dequantize_fp8,
+    fp8_gemm,
+    fp8_linear,
+    fp8_matmul_ref,
+    quantize_fp8_groups,
+)
 from tests.kernels.kernel_testlib import DEVICE, ON_GPU, TOL, rel_err
 
 SCALINGS = {"per_tensor": None, "per_channel": (1, None), "block_128": (128, 128), "block_32": (32, 32)}

@@ -8,7 +8,13 @@ import torch
 
 from kernels.quant_gemm import quant_gemm, quant_matmul
 from kernels.quant_gemv import MAX_QUANT_GEMV_ROWS, quant_gemv
-from kernels.quant_layout import IntPackedWeight, dequantize_int, pack_int, quant_matmul_ref, unpack_codes
+from kernels.quant_layout import (
+    IntPackedWeight,
+    dequantize_int,
+    pack_int,
+    quant_matmul_ref,
+    unpack_codes,
+)
 from tests.kernels.kernel_testlib import DEVICE, ON_GPU, TOL, poisoned, rel_err
 
 # name: (bits, group_size or None = per channel, per-group zeros, offsets, act-order permutation)
@@ -40,7 +46,7 @@ def random_packed(n: int, k: int, bits: int, group: int | None, has_zeros: bool,
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_pack_roundtrip_and_dequantize(variant):
-    bits, group, has_zeros, has_offsets, has_perm = VARIANTS[variant]
+    bits, group, *_ = VARIANTS[variant]
     gen = torch.Generator().manual_seed(1)
     n, k = 6, 256
     codes = torch.randint(0, 1 << bits, (n, k), generator=gen)

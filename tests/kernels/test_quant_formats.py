@@ -9,13 +9,16 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from compressed_tensors.compressors.pack_quantized.helpers import (
+    pack_to_int32,
+    unpack_from_int32,
+)
 from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 
 from inference_service.model.quant import (
-    concat_rows,
     QuantizationConfigError,
     QuantMethod,
+    concat_rows,
     dequantize_packed,
     describe_weight,
     group_layer_tensors,

@@ -12,10 +12,24 @@ for e4m3), repacked once at load.
 """
 
 from inference_service.model.quant.checkpoint import pack_checkpoint_linear
-from inference_service.model.quant.config import QuantizationConfigError, QuantMethod, QuantSpec, parse_quantization_config
-from inference_service.model.quant.gguf_types import GGUF_PACKED_TYPES, repack_gguf, repack_reader_tensor
+from inference_service.model.quant.config import (
+    QuantizationConfigError,
+    QuantMethod,
+    QuantSpec,
+    parse_quantization_config,
+)
+from inference_service.model.quant.gguf_types import (
+    GGUF_PACKED_TYPES,
+    repack_gguf,
+    repack_reader_tensor,
+)
 from inference_service.model.quant.in_situ import IN_SITU_METHODS, quantize_in_situ
-from inference_service.model.quant.loading import QuantizationSummary, group_layer_tensors, is_in_situ_target, summarize
+from inference_service.model.quant.loading import (
+    QuantizationSummary,
+    group_layer_tensors,
+    is_in_situ_target,
+    summarize,
+)
 from inference_service.model.quant.packed_linear import dequantize_packed, packed_linear
 from inference_service.model.quant.rows import concat_rows, select_rows
 from inference_service.model.quant.summary import PackedWeight, describe_weight
@@ -28,8 +42,8 @@ __all__ = [
     "QuantSpec",
     "QuantizationConfigError",
     "QuantizationSummary",
-    "dequantize_packed",
     "concat_rows",
+    "dequantize_packed",
     "describe_weight",
     "group_layer_tensors",
     "is_in_situ_target",

@@ -20,7 +20,11 @@ from collections.abc import Mapping
 
 import torch
 
-from inference_service.model.quant.config import QuantizationConfigError, QuantMethod, QuantSpec
+from inference_service.model.quant.config import (
+    QuantizationConfigError,
+    QuantMethod,
+    QuantSpec,
+)
 from kernels import FP8_DTYPE
 from kernels.fp8_gemm import Fp8Weight
 from kernels.quant_layout import IntPackedWeight, pack_int
