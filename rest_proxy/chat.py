@@ -1,12 +1,11 @@
 """POST /v1/chat/completions: plan the request, run it on the engine, and shape the answer.
 
-Both modes consume the same event stream (`_events`): non-streaming adds the deltas up, streaming
+Both modes consume the same typed event stream (`events`): non-streaming adds the deltas up, streaming
 sends them as chunks. With MCP execution on, the proxy runs the model's MCP calls between rounds.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -18,15 +17,17 @@ from inference_service.api import pb
 from rest_proxy.chat_state import ChoiceState
 from rest_proxy.engine_client import EngineClient, EngineRouter
 from rest_proxy.errors import ProxyError, invalid_request
+from rest_proxy.events import ChatDelta, ChatEvent, ChatFinish, StreamUsage
 from rest_proxy.metrics import ProxyMetrics
 from rest_proxy.protocol import ChatCompletionRequest, ChatMessageParam, FunctionCallParam, ToolCallParam
 from rest_proxy.reasoning import (PromptState, ReasoningFormat, ReasoningParser, answer_after_thinking, get_format,
                                   prompt_state, select_format, text_state)
 from rest_proxy.schemas import check_json_schema, strict_schema
+from rest_proxy.sse import ChunkWriter, write_chunks
 from rest_proxy.tool_parsers import ToolParser, get_parser, select_parser
-from rest_proxy.translate import (add_usage, chat_input, chat_logprobs, check_wire_safe, finish_reason,
-                                  format_field, map_format_error, message_text, sampling_params, stopping_criteria,
-                                  system_fingerprint, template_renders_tools, usage_dict)
+from rest_proxy.translate import (add_usage, chat_input, chat_logprobs, check_max_tokens, check_wire_safe,
+                                  finish_reason, format_field, map_format_error, message_text, sampling_params,
+                                  stopping_criteria, system_fingerprint, template_renders_tools, usage_dict)
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +82,7 @@ class ChatService:
     async def plan(self, req: ChatCompletionRequest) -> ChatPlan:
         client = await self.router.resolve(req.model)
         info = client.info
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        if info is not None and info.max_context_length and max_tokens and max_tokens > info.max_context_length:
-            raise invalid_request(f"max_tokens ({max_tokens}) exceeds the model's context length "
-                                  f"({info.max_context_length})", "max_tokens")
+        check_max_tokens(info, req.max_completion_tokens or req.max_tokens)
         injected = False
         if req.tools is not None:
             tools = [t.model_dump(exclude_none=True) for t in req.tools]
@@ -185,12 +183,9 @@ class ChatService:
             start.sampling.structured_output.lark_grammar = grammar
             plan.format_param = _tool_param(plan, None)
 
-    def events(self, plan: ChatPlan) -> AsyncIterator[tuple]:
-        """The planned request's events (see `_events`), for the front ends built on chat (the Responses API)."""
-        return self._events(plan)
-
-    async def _events(self, plan: ChatPlan) -> AsyncIterator[tuple]:
-        """Yields ("delta", index, delta, logprobs), ("finish", index, reason) and ("usage", dict)."""
+    async def events(self, plan: ChatPlan) -> AsyncIterator[ChatEvent]:
+        """The planned request's events, `StreamUsage` last; with MCP execution, across its rounds (only the
+        last round's finish, and no calls of MCP tools, reach the client)."""
         messages = plan.messages
         usage = None
         rounds = self.max_mcp_rounds if plan.execute_mcp else 1
@@ -225,11 +220,11 @@ class ChatService:
                     if deltas or lps:
                         if lps:
                             state.logprobs += lps
-                        yield ("delta", resp.index, deltas, lps)
+                        yield ChatDelta(resp.index, deltas, lps)
                     if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                         reason = state.finish(finish_reason(resp.finish_reason))
                         if not plan.execute_mcp:
-                            yield ("finish", resp.index, reason)
+                            yield ChatFinish(resp.index, reason)
                     if resp.HasField("usage"):
                         usage = add_usage(usage, usage_dict(resp.usage))
             state = states[0]
@@ -239,9 +234,9 @@ class ChatService:
             if plan.execute_mcp:
                 if state.finish_reason == "tool_calls":
                     state.finish_reason = "stop"
-                yield ("finish", 0, state.finish_reason or "stop")
+                yield ChatFinish(0, state.finish_reason or "stop")
             break
-        yield ("usage", usage or usage_dict(None))
+        yield StreamUsage(usage or usage_dict(None))
 
     @staticmethod
     async def _generate(plan: ChatPlan, start: pb.StartGeneration) -> AsyncIterator[pb.GenerateResponse]:
@@ -274,15 +269,15 @@ class ChatService:
         reasons: dict[int, str] = {}
         usage = None
         # NOTE: re-assemble from the deltas so the answer is by construction the stream's sum.
-        async with aclosing(self._events(plan)) as events:
+        async with aclosing(self.events(plan)) as events:
             async for event in events:
-                if event[0] == "delta":
-                    _, index, deltas, lps = event
-                    _accumulate(states[index], deltas, lps)
-                elif event[0] == "finish":
-                    reasons[event[1]] = event[2]
-                else:
-                    usage = event[1]
+                match event:
+                    case ChatDelta():
+                        _accumulate(states[event.index], event.deltas, event.logprobs)
+                    case ChatFinish():
+                        reasons[event.index] = event.reason
+                    case StreamUsage():
+                        usage = event.usage
         choices = []
         for i in range(plan.req.n):
             st = states[i]
@@ -292,46 +287,46 @@ class ChatService:
                 "model": plan.req.model, "system_fingerprint": system_fingerprint(plan.client.info),
                 "choices": choices, "usage": usage}
 
-    async def stream(self, plan: ChatPlan) -> AsyncIterator[str]:
-        """SSE `data:` events; the first is yielded only once the engine has answered."""
-        include_usage = bool(plan.req.stream_options and plan.req.stream_options.include_usage)
-        fingerprint = system_fingerprint(plan.client.info)
-        started: set[int] = set()
-        first_text = True
-        t0 = time.perf_counter()
+    def stream(self, plan: ChatPlan) -> AsyncIterator[str]:
+        """SSE `data:` chunks; the first is yielded only once the engine has answered."""
+        writer = ChunkWriter(id=plan.request_id, object="chat.completion.chunk", created=plan.created,
+                             model=plan.req.model, system_fingerprint=system_fingerprint(plan.client.info),
+                             include_usage=bool(plan.req.stream_options and plan.req.stream_options.include_usage))
+        first_token = self.metrics.first_token_latency.labels(endpoint="chat")
+        return write_chunks(writer, self.events(plan), _ChatChunks(first_token))
 
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            obj = {"id": plan.request_id, "object": "chat.completion.chunk", "created": plan.created,
-                   "model": plan.req.model, "system_fingerprint": fingerprint, "choices": choices}
-            if include_usage:
-                obj["usage"] = usage
-            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-        def choice(index: int, delta: dict, lps=None, reason=None) -> dict:
-            return {"index": index, "delta": delta,
-                    "logprobs": {"content": lps, "refusal": None} if lps is not None else None,
-                    "finish_reason": reason}
+class _ChatChunks:
+    """Each chat event's chunks: a choice's first event comes after a chunk of its role; a delta with several
+    message deltas is a chunk each (its logprobs on the first); the first text observes `first_token`."""
 
-        async with aclosing(self._events(plan)) as events:
-            async for event in events:
-                kind = event[0]
-                if kind in ("delta", "finish") and event[1] not in started:
-                    started.add(event[1])
-                    yield chunk([choice(event[1], {"role": "assistant", "content": ""})])
-                if kind == "delta":
-                    _, index, deltas, lps = event
-                    if first_text and deltas:
-                        first_text = False
-                        self.metrics.first_token_latency.labels(endpoint="chat").observe(time.perf_counter() - t0)
-                    if not deltas:
-                        yield chunk([choice(index, {}, lps)])
-                    for j, delta in enumerate(deltas):
-                        yield chunk([choice(index, delta, lps if j == 0 else None)])
-                elif kind == "finish":
-                    yield chunk([choice(event[1], {}, None, event[2])])
-                elif include_usage:
-                    yield chunk([], event[1])
-        yield "data: [DONE]\n\n"
+    def __init__(self, first_token):
+        self.first_token = first_token
+        self.t0 = time.perf_counter()
+        self.started: set[int] = set()
+        self.is_first_text = True
+
+    def __call__(self, event: ChatDelta | ChatFinish) -> list[list[dict]]:
+        chunks = []
+        if event.index not in self.started:
+            self.started.add(event.index)
+            chunks.append([_choice(event.index, {"role": "assistant", "content": ""})])
+        match event:
+            case ChatDelta(index=index, deltas=deltas, logprobs=lps):
+                if self.is_first_text and deltas:
+                    self.is_first_text = False
+                    self.first_token.observe(time.perf_counter() - self.t0)
+                if not deltas:
+                    chunks.append([_choice(index, {}, lps)])
+                chunks += [[_choice(index, delta, lps if j == 0 else None)] for j, delta in enumerate(deltas)]
+            case ChatFinish():
+                chunks.append([_choice(event.index, {}, None, event.reason)])
+        return chunks
+
+
+def _choice(index: int, delta: dict, lps: list[dict] | None = None, reason: str | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": {"content": lps, "refusal": None} if lps is not None else None,
+            "finish_reason": reason}
 
 
 def _accumulate(state: ChoiceState, deltas: list[dict], lps: list[dict] | None) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -11,10 +10,12 @@ from contextlib import aclosing
 from inference_service.api import pb
 from rest_proxy.engine_client import EngineClient, EngineRouter
 from rest_proxy.errors import ProxyError, invalid_request
+from rest_proxy.events import CompletionEvent, StreamUsage, TextDelta
 from rest_proxy.metrics import ProxyMetrics
 from rest_proxy.protocol import CompletionRequest
-from rest_proxy.translate import (add_usage, check_wire_safe, finish_reason, sampling_params, stopping_criteria,
-                                  system_fingerprint, usage_dict)
+from rest_proxy.sse import ChunkWriter, write_chunks
+from rest_proxy.translate import (add_usage, check_max_tokens, check_wire_safe, finish_reason, sampling_params,
+                                  stopping_criteria, system_fingerprint, usage_dict)
 
 
 def prompt_inputs(prompt) -> list[str | list[int]]:
@@ -66,9 +67,7 @@ class CompletionService:
             raise invalid_request("best_of other than n is not supported", "best_of")
         client = await self.router.resolve(req.model)
         info = client.info
-        if info is not None and info.max_context_length and req.max_tokens and req.max_tokens > info.max_context_length:
-            raise invalid_request(f"max_tokens ({req.max_tokens}) exceeds the model's context length "
-                                  f"({info.max_context_length})", "max_tokens")
+        check_max_tokens(info, req.max_tokens)
         prompts = prompt_inputs(req.prompt)
         _check_queue_room(info, len(prompts) * req.n)
         starts, echoes = [], []
@@ -94,8 +93,7 @@ class CompletionService:
         resp = await client.tokenize(pb.TokenizeRequest(detokenize=pb.DetokenizeIds(ids=ids)))
         return resp.text
 
-    async def _events(self, req: CompletionRequest, client, starts, echoes) -> AsyncIterator[tuple]:
-        """("text", choice index, text, logprobs dict|None, finish reason|None) and ("usage", dict)."""
+    async def _events(self, req: CompletionRequest, client, starts, echoes) -> AsyncIterator[CompletionEvent]:
         usage = None
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
@@ -114,10 +112,10 @@ class CompletionService:
                 reason = (finish_reason(resp.finish_reason)
                           if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED else None)
                 if text or lps is not None or reason:
-                    yield ("text", index, text, lps, reason)
+                    yield TextDelta(index, text, lps, reason)
                 if resp.HasField("usage"):
                     usage = add_usage(usage, usage_dict(resp.usage))
-        yield ("usage", usage or usage_dict(None))
+        yield StreamUsage(usage or usage_dict(None))
 
     async def complete(self, req: CompletionRequest) -> dict:
         client, starts, echoes = await self.prepare(req)
@@ -128,42 +126,30 @@ class CompletionService:
         reasons: list[str] = ["stop"] * n
         usage = None
         async with aclosing(self._events(req, client, starts, echoes)) as events:
-            async for ev in events:
-                if ev[0] == "usage":
-                    usage = ev[1]
-                    continue
-                _, i, text, lp, reason = ev
-                texts[i].append(text)
-                if lp is not None:
-                    lps[i] = _merge_logprobs(lps[i], lp)
-                if reason:
-                    reasons[i] = reason
+            async for event in events:
+                match event:
+                    case TextDelta(index=i):
+                        texts[i].append(event.text)
+                        if event.logprobs is not None:
+                            lps[i] = _merge_logprobs(lps[i], event.logprobs)
+                        if event.finish_reason:
+                            reasons[i] = event.finish_reason
+                    case StreamUsage():
+                        usage = event.usage
         choices = [{"index": i, "text": "".join(texts[i]), "logprobs": lps[i], "finish_reason": reasons[i]}
                    for i in range(n)]
         return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
                 "system_fingerprint": system_fingerprint(client.info), "choices": choices, "usage": usage}
 
     async def stream(self, req: CompletionRequest) -> AsyncIterator[str]:
+        """Checks the request (its errors raise here, before any byte is sent), then returns its SSE chunks."""
         client, starts, echoes = await self.prepare(req)
-        rid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        fingerprint = system_fingerprint(client.info)
-
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            obj = {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-                   "system_fingerprint": fingerprint, "choices": choices}
-            if include_usage:
-                obj["usage"] = usage
-            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-        async with aclosing(self._events(req, client, starts, echoes)) as events:
-            async for ev in events:
-                if ev[0] == "usage":
-                    if include_usage:
-                        yield chunk([], ev[1])
-                    continue
-                _, i, text, lp, reason = ev
-                yield chunk([{"index": i, "text": text, "logprobs": lp, "finish_reason": reason}])
-        yield "data: [DONE]\n\n"
+        writer = ChunkWriter(id="cmpl-" + uuid.uuid4().hex, object="text_completion", created=int(time.time()),
+                             model=req.model, system_fingerprint=system_fingerprint(client.info),
+                             include_usage=bool(req.stream_options and req.stream_options.include_usage))
+        return write_chunks(writer, self._events(req, client, starts, echoes), _text_chunks)
 
 
+def _text_chunks(event: TextDelta) -> list[list[dict]]:
+    return [[{"index": event.index, "text": event.text, "logprobs": event.logprobs,
+              "finish_reason": event.finish_reason}]]

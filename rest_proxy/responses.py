@@ -9,25 +9,22 @@ templates, tool formats, forced and strict calls, MCP rounds and structured outp
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse
-
 from rest_proxy.chat import ChatPlan, ChatService
 from rest_proxy.errors import ProxyError
+from rest_proxy.events import ChatDelta, ChatFinish, StreamUsage
 from rest_proxy.metrics import ProxyMetrics
 from rest_proxy.protocol import ChatMessageParam, FunctionCallParam, ToolCallParam
 from rest_proxy.responses_output import ResponseBuilder, new_id
 from rest_proxy.responses_protocol import ResponsesRequest
 from rest_proxy.responses_store import ResponseStore, StoredResponse
 from rest_proxy.responses_translate import chat_request, client_error, function_tools, input_messages
-from rest_proxy.sse import event_stream
+from rest_proxy.sse import typed_event
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +90,15 @@ class ResponsesService:
                         started = True
                         for out in builder.start():
                             yield out
-                    if event[0] == "delta":
-                        for delta in event[2]:
-                            for out in self._apply(builder, delta):
-                                yield out
-                    elif event[0] == "finish":
-                        reason = event[2]
-                    else:
-                        usage = event[1]
+                    match event:
+                        case ChatDelta():
+                            for delta in event.deltas:
+                                for out in self._apply(builder, delta):
+                                    yield out
+                        case ChatFinish():
+                            reason = event.reason
+                        case StreamUsage():
+                            usage = event.usage
         except ProxyError as err:
             raise client_error(err) from None
         for out in builder.finish(reason, usage):
@@ -141,7 +139,7 @@ class ResponsesService:
                         first_text = True
                         self.metrics.first_token_latency.labels(endpoint="responses").observe(
                             time.perf_counter() - t0)
-                    yield _sse(event)
+                    yield typed_event(event)
         except Exception as err:  # once the stream is open, failures are reported in-band
             if not started:
                 raise
@@ -149,7 +147,7 @@ class ResponsesService:
                 log.exception("response stream failed")
                 err = ProxyError(500, f"internal error: {err}")
             for event in run.builder.fail(err):
-                yield _sse(event)
+                yield typed_event(event)
 
     def retrieve(self, response_id: str) -> dict:
         entry = self.store.get(response_id)
@@ -169,10 +167,6 @@ def _not_found(response_id: str) -> ProxyError:
                       code="response_not_found")
 
 
-def _sse(event: dict) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
-
-
 def _output_messages(output: list[dict]) -> list[ChatMessageParam]:
     """A response's output as the assistant turn a follow-up continues from."""
     text = "".join(part.get("text", "") for item in output if item["type"] == "message"
@@ -183,24 +177,3 @@ def _output_messages(output: list[dict]) -> list[ChatMessageParam]:
     if not text and not calls:
         return []
     return [ChatMessageParam(role="assistant", content=text or None, tool_calls=calls or None)]
-
-
-def build_router(service: ResponsesService) -> APIRouter:
-    router = APIRouter()
-
-    @router.post("/v1/responses")
-    async def create_response(req: ResponsesRequest):
-        run = await service.plan(req)
-        if req.stream:
-            return await event_stream(service.stream(run), service.metrics)
-        return JSONResponse(await service.create(run))
-
-    @router.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str):
-        return service.retrieve(response_id)
-
-    @router.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str):
-        return service.delete(response_id)
-
-    return router

@@ -118,6 +118,13 @@ def map_format_error(err: ProxyError, param: str, *, detail: bool = True) -> Pro
     return ProxyError(err.status, message, type=err.type, param=param, code=err.code)
 
 
+def check_max_tokens(info: pb.GetModelInfoResponse | None, max_tokens: int | None) -> None:
+    """400 naming `max_tokens` for a limit past the model's context length: no prompt leaves room for it."""
+    if info is not None and info.max_context_length and max_tokens and max_tokens > info.max_context_length:
+        raise invalid_request(f"max_tokens ({max_tokens}) exceeds the model's context length "
+                              f"({info.max_context_length})", "max_tokens")
+
+
 def stopping_criteria(req: _SamplingFields, max_tokens: int | None) -> pb.StoppingCriteria:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     criteria = pb.StoppingCriteria(stop=[s for s in stop if s], stop_token_ids=req.stop_token_ids or [],

@@ -1,0 +1,47 @@
+"""The events a generation yields on its way to a response: chat deltas and finishes, completion text,
+and the usage that closes every stream. Non-streaming answers add them up; streams write them as chunks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ChatDelta:
+    """What one engine response added to chat choice `index`: its message deltas (content, reasoning,
+    refusal or tool-call pieces, in order; may be empty) and its logprobs (None unless asked for)."""
+
+    index: int
+    deltas: list[dict]
+    logprobs: list[dict] | None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatFinish:
+    """Chat choice `index` ended, for `reason` ("stop", "length", "tool_calls", ...)."""
+
+    index: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """What one engine response added to completion `index` (prompt position x n + choice): text (the echoed
+    prompt ahead of the first), logprobs in the completions layout (None unless asked for), and the finish
+    reason on its last."""
+
+    index: int
+    text: str
+    logprobs: dict | None
+    finish_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamUsage:
+    """The token counts of the whole request: always the last event."""
+
+    usage: dict
+
+
+ChatEvent = ChatDelta | ChatFinish | StreamUsage
+CompletionEvent = TextDelta | StreamUsage
