@@ -200,9 +200,6 @@ class McpManager:
                 "parameters": tool.input_schema or {"type": "object", "properties": {}}}})
         return out
 
-    def has_tool(self, name: str) -> bool:
-        return name in self._index()
-
     def _count(self, server: str, tool: str, outcome: str) -> None:
         if self.metrics is not None:
             self.metrics.mcp_tool_calls.labels(server=server, tool=tool, outcome=outcome).inc()

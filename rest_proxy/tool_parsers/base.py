@@ -306,10 +306,6 @@ class ToolCallExtractor:
         self._pending = ""
         return self._step(final=True)
 
-    @property
-    def call_ids(self) -> list[str]:
-        return [cid for cid, _ in self._calls]
-
     def _content(self, end: int, final: bool) -> list[Delta]:
         """Content up to `end`: leading whitespace dropped, trailing whitespace held until it is inner."""
         chunk = self.text[self._content_sent:end]
