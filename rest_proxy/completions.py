@@ -6,6 +6,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass, field
 
 from inference_service.api import pb
 from rest_proxy.engine_client import EngineClient, EngineRouter
@@ -55,12 +56,24 @@ def _merge_logprobs(a: dict | None, b: dict) -> dict:
     return {k: a[k] + b[k] for k in a}
 
 
+@dataclass
+class CompletionPlan:
+    """What one completions request turns into before it reaches the engine."""
+
+    req: CompletionRequest
+    client: EngineClient
+    starts: list[pb.StartGeneration]  # one a prompt, each for `n` completions
+    echoes: list[str]  # a prompt's text ahead of its completions' (all "" without `echo`)
+    request_id: str = field(default_factory=lambda: "cmpl-" + uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
 class CompletionService:
     def __init__(self, router: EngineRouter, *, metrics: ProxyMetrics):
         self.router = router
         self.metrics = metrics
 
-    async def prepare(self, req: CompletionRequest) -> tuple[EngineClient, list[pb.StartGeneration], list[str]]:
+    async def plan(self, req: CompletionRequest) -> CompletionPlan:
         if req.suffix:
             raise invalid_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -87,17 +100,18 @@ class CompletionService:
                 start.add_special_tokens = req.add_special_tokens
             check_wire_safe(start)
             starts.append(start)
-        return client, starts, echoes if req.echo else [""] * len(starts)
+        return CompletionPlan(req, client, starts, echoes if req.echo else [""] * len(starts))
 
     async def _detokenize(self, client: EngineClient, ids: list[int]) -> str:
         resp = await client.tokenize(pb.TokenizeRequest(detokenize=pb.DetokenizeIds(ids=ids)))
         return resp.text
 
-    async def _events(self, req: CompletionRequest, client, starts, echoes) -> AsyncIterator[CompletionEvent]:
+    async def _events(self, plan: CompletionPlan) -> AsyncIterator[CompletionEvent]:
+        req, echoes = plan.req, plan.echoes
         usage = None
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
-        async with aclosing(client.generate_many(starts)) as merged:
+        async with aclosing(plan.client.generate_many(plan.starts)) as merged:
             async for p, resp in merged:
                 index = p * req.n + resp.index
                 text = resp.text
@@ -117,15 +131,13 @@ class CompletionService:
                     usage = add_usage(usage, usage_dict(resp.usage))
         yield StreamUsage(usage or usage_dict(None))
 
-    async def complete(self, req: CompletionRequest) -> dict:
-        client, starts, echoes = await self.prepare(req)
-        rid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
-        n = len(starts) * req.n
+    async def complete(self, plan: CompletionPlan) -> dict:
+        n = len(plan.starts) * plan.req.n
         texts: list[list[str]] = [[] for _ in range(n)]
         lps: list[dict | None] = [None] * n
         reasons: list[str] = ["stop"] * n
         usage = None
-        async with aclosing(self._events(req, client, starts, echoes)) as events:
+        async with aclosing(self._events(plan)) as events:
             async for event in events:
                 match event:
                     case TextDelta(index=i):
@@ -138,16 +150,17 @@ class CompletionService:
                         usage = event.usage
         choices = [{"index": i, "text": "".join(texts[i]), "logprobs": lps[i], "finish_reason": reasons[i]}
                    for i in range(n)]
-        return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-                "system_fingerprint": system_fingerprint(client.info), "choices": choices, "usage": usage}
+        return {"id": plan.request_id, "object": "text_completion", "created": plan.created,
+                "model": plan.req.model, "system_fingerprint": system_fingerprint(plan.client.info),
+                "choices": choices, "usage": usage}
 
-    async def stream(self, req: CompletionRequest) -> AsyncIterator[str]:
-        """Checks the request (its errors raise here, before any byte is sent), then returns its SSE chunks."""
-        client, starts, echoes = await self.prepare(req)
-        writer = ChunkWriter(id="cmpl-" + uuid.uuid4().hex, object="text_completion", created=int(time.time()),
-                             model=req.model, system_fingerprint=system_fingerprint(client.info),
+    def stream(self, plan: CompletionPlan) -> AsyncIterator[str]:
+        """SSE `data:` chunks; the first is yielded only once the engine has answered."""
+        req = plan.req
+        writer = ChunkWriter(id=plan.request_id, object="text_completion", created=plan.created, model=req.model,
+                             system_fingerprint=system_fingerprint(plan.client.info),
                              include_usage=bool(req.stream_options and req.stream_options.include_usage))
-        return write_chunks(writer, self._events(req, client, starts, echoes), _text_chunks)
+        return write_chunks(writer, self._events(plan), _text_chunks)
 
 
 def _text_chunks(event: TextDelta) -> list[list[dict]]:

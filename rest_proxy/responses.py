@@ -121,7 +121,7 @@ class ResponsesService:
             events += builder.call_arguments(call["function"].get("arguments") or "")
         return events
 
-    async def create(self, run: ResponseRun) -> dict:
+    async def complete(self, run: ResponseRun) -> dict:
         async with aclosing(self._events(run)) as events:
             async for _ in events:
                 pass

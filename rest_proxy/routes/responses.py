@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
 
 from rest_proxy.responses_protocol import ResponsesRequest
 from rest_proxy.routes.deps import Metrics, Responses
-from rest_proxy.sse import event_stream
+from rest_proxy.routes.generate import answer
 
 router = APIRouter()
 
 
 @router.post("/v1/responses")
 async def create_response(req: ResponsesRequest, service: Responses, metrics: Metrics):
-    run = await service.plan(req)
-    if req.stream:
-        return await event_stream(service.stream(run), metrics)
-    return JSONResponse(await service.create(run))
+    return await answer(service, req, metrics)
 
 
 @router.get("/v1/responses/{response_id}")

@@ -15,6 +15,7 @@ from tests.proxy.fake_engine import FakeEngineServer, free_port
 from tests.proxy.grammars import byte_tokenizer_in
 from tests.proxy.servers import ProxyServer
 
+_MAX_STARTUP_S = 300
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -71,7 +72,8 @@ def launch_engine(log_dir, *args: str):
                              "--port", str(port), "--max-waiting-requests", "2", *args],
                             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     target = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    # NOTE: generous: loading and warming the model takes ~15 s alone, minutes on a shared, loaded machine.
+    deadline = time.monotonic() + _MAX_STARTUP_S
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
@@ -84,7 +86,7 @@ def launch_engine(log_dir, *args: str):
                 pass
             if time.monotonic() > deadline:
                 proc.kill()
-                pytest.fail(f"engine not SERVING within 120 s:\n{log_path.read_text()[-3000:]}")
+                pytest.fail(f"engine not SERVING within {_MAX_STARTUP_S} s:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.3)
     yield target
     proc.terminate()
