@@ -196,6 +196,18 @@ def marker_text(markers: tuple[str, ...]) -> tuple[str, str]:
     return free, "TEXT"
 
 
+class MarkerToolParser(ToolParser):
+    """A format whose calls open with one of `markers`, anywhere in the text."""
+
+    markers: ClassVar[tuple[str, ...]]
+
+    def find_region(self, text: str) -> Region:
+        return marker_region(text, self.markers)
+
+    def text_regexes(self) -> tuple[str, str]:
+        return marker_text(self.markers)
+
+
 def leading_text(openers: str, prefixes: tuple[str, ...] = ()) -> tuple[str, str]:
     """`text_regexes` of formats whose calls make up the whole output: text not starting (after whitespace)
     with an opener or a prefix; only whitespace before a call."""

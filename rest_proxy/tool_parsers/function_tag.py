@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-from rest_proxy.tool_parsers.base import (PartialCall, Region, ToolParser, marker_region, marker_text,
-                                          raw_json_value, skip_ws)
+from rest_proxy.tool_parsers.base import MarkerToolParser, PartialCall, raw_json_value, skip_ws
 
 OPEN, CLOSE = "<function=", "</function>"
 
 
-class FunctionTagToolParser(ToolParser):
+class FunctionTagToolParser(MarkerToolParser):
     name = "function_tag"
-
-    def find_region(self, text: str) -> Region:
-        return marker_region(text, (OPEN,))
-
-    def text_regexes(self) -> tuple[str, str]:
-        return marker_text((OPEN,))
+    markers = (OPEN,)
 
     def parse_region(self, region: str, final: bool) -> list[PartialCall]:
         calls: list[PartialCall] = []

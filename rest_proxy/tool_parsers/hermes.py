@@ -7,20 +7,14 @@ from __future__ import annotations
 
 import json
 
-from rest_proxy.tool_parsers.base import (PartialCall, Region, ToolParser, marker_region, marker_text,
-                                          scan_call_sequence)
+from rest_proxy.tool_parsers.base import MarkerToolParser, PartialCall, scan_call_sequence
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
-class HermesToolParser(ToolParser):
+class HermesToolParser(MarkerToolParser):
     name = "hermes"
-
-    def find_region(self, text: str) -> Region:
-        return marker_region(text, (OPEN,))
-
-    def text_regexes(self) -> tuple[str, str]:
-        return marker_text((OPEN,))
+    markers = (OPEN,)
 
     def parse_region(self, region: str, final: bool) -> list[PartialCall]:
         calls: list[PartialCall] = []

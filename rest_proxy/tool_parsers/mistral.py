@@ -6,21 +6,16 @@ from __future__ import annotations
 import json
 import re
 
-from rest_proxy.tool_parsers.base import (PartialCall, Region, ToolParser, marker_region, marker_text,
-                                          raw_json_value, scan_call_sequence, skip_ws)
+from rest_proxy.tool_parsers.base import (MarkerToolParser, PartialCall, raw_json_value, scan_call_sequence,
+                                          skip_ws)
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _NAME = re.compile(r"[A-Za-z0-9_\-.]+")
 
 
-class MistralToolParser(ToolParser):
+class MistralToolParser(MarkerToolParser):
     name = "mistral"
-
-    def find_region(self, text: str) -> Region:
-        return marker_region(text, (MARKER,))
-
-    def text_regexes(self) -> tuple[str, str]:
-        return marker_text((MARKER,))
+    markers = (MARKER,)
 
     def parse_region(self, region: str, final: bool) -> list[PartialCall]:
         calls: list[PartialCall] = []

@@ -22,8 +22,7 @@ from __future__ import annotations
 import ast
 import json
 
-from rest_proxy.tool_parsers.base import (_COMPACT_JSON, PartialCall, Region, ToolParser, marker_region,
-                                          marker_text)
+from rest_proxy.tool_parsers.base import _COMPACT_JSON, MarkerToolParser, PartialCall, marker_text
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 FUNC_OPEN, FUNC_CLOSE = "<function=", "</function>"
@@ -64,8 +63,9 @@ def convert_value(raw: str, schema: dict | None) -> object:
     return value
 
 
-class Qwen3CoderToolParser(ToolParser):
+class Qwen3CoderToolParser(MarkerToolParser):
     name = "qwen3_coder"
+    markers = _MARKERS
 
     def __init__(self) -> None:
         self.properties: dict[str, dict] = {}  # tool name -> its parameters' schemas
@@ -76,12 +76,6 @@ class Qwen3CoderToolParser(ToolParser):
             fn = tool.get("function", tool)
             params = fn.get("parameters") or {}
             self.properties[fn.get("name", "")] = params.get("properties") or {} if isinstance(params, dict) else {}
-
-    def find_region(self, text: str) -> Region:
-        return marker_region(text, _MARKERS)
-
-    def text_regexes(self) -> tuple[str, str]:
-        return marker_text(_MARKERS)
 
     def parse_region(self, region: str, final: bool) -> list[PartialCall]:
         calls: list[PartialCall] = []
