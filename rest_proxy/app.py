@@ -8,6 +8,7 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.routing import BaseRoute
 
 from rest_proxy.auth import ApiKeyCheck, ApiKeyMiddleware
 from rest_proxy.chat import ChatService
@@ -26,6 +27,8 @@ from rest_proxy.responses_store import ResponseStore
 from rest_proxy.routes import chat, completions, embeddings, health, models, responses, tokenize
 from rest_proxy.ui import mount_ui
 
+ROUTERS = [module.router for module in (chat, responses, completions, embeddings, models, tokenize, health)]
+
 
 def create_app(config: ProxyConfig) -> FastAPI:
     docs = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -35,12 +38,19 @@ def create_app(config: ProxyConfig) -> FastAPI:
     app.add_middleware(CancelOnDisconnectMiddleware)
     app.add_middleware(RequestBodyMiddleware, max_bytes=config.max_body_bytes, timeout=config.body_timeout)
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
-    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics, routes=lambda: _path_routes(app))
     app.add_middleware(DrainMiddleware, state=app.state.drain)  # outermost: sees every request
-    for module in (chat, responses, completions, embeddings, models, tokenize, health):
-        app.include_router(module.router)
+    for router in ROUTERS:
+        app.include_router(router)
     mount_ui(app, config)  # the chat UI at / when config.ui
     return app
+
+
+def _path_routes(app: FastAPI) -> list[BaseRoute]:
+    """The routes with a path template: the app's own (the docs) and the included routers'. NOTE: FastAPI
+    keeps an included router as one entry of `app.routes`, without a path of its own."""
+    own = [route for route in app.routes if getattr(route, "path", None)]
+    return own + [route for router in ROUTERS for route in router.routes]
 
 
 def _build_services(state, config: ProxyConfig) -> None:

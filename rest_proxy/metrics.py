@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Match
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -46,18 +46,16 @@ class ProxyMetrics:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _route_name(scope: Scope) -> str:
+def _route_name(scope: Scope, routes: Callable[[], Sequence[BaseRoute]]) -> str:
     """The route's path template; for a request answered before routing (a 401 from the key check, a 503
-    while draining), the template of the route it would have reached. Unknown paths are `unmatched`, so
-    probing random paths adds no label values."""
-    route = scope.get("route")
-    path = getattr(route, "path", None)
+    while draining), the template of the one of `routes` it would have reached. Unknown paths are
+    `unmatched`, so probing random paths adds no label values."""
+    path = getattr(scope.get("route"), "path", None)
     if path:
         return path
-    app = scope.get("app")
-    for candidate in getattr(getattr(app, "router", None), "routes", ()):
+    for candidate in routes():
         match, _ = candidate.matches(scope)
-        if match != Match.NONE and getattr(candidate, "path", None):
+        if match != Match.NONE:
             return candidate.path
     return "unmatched"
 
@@ -65,9 +63,11 @@ def _route_name(scope: Scope) -> str:
 class MetricsMiddleware:
     """Counts requests and measures latency up to the last body byte (pure ASGI, safe for streaming)."""
 
-    def __init__(self, app: ASGIApp, metrics: ProxyMetrics):
+    def __init__(self, app: ASGIApp, metrics: ProxyMetrics, routes: Callable[[], Sequence[BaseRoute]]):
+        """`routes`: the app's routes with a path template, for naming requests answered before routing."""
         self.app = app
         self.metrics = metrics
+        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -88,12 +88,7 @@ class MetricsMiddleware:
             status = 500 if status == 499 else status
             raise
         finally:
-            route, method = _route_name(scope), scope.get("method", "")
+            route, method = _route_name(scope, self.routes), scope.get("method", "")
             self.metrics.http_requests.labels(route=route, method=method, status=str(status)).inc()
             self.metrics.http_latency.labels(route=route, method=method).observe(time.perf_counter() - start)
 
-
-def metrics_endpoint(metrics: ProxyMetrics):
-    async def endpoint(_: Request) -> Response:
-        return metrics.render()
-    return endpoint
