@@ -11,6 +11,7 @@ import sys
 from dataclasses import replace
 
 from inference_service.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
+from inference_service.engine.generation_config import parse_override
 from inference_service.model.hub import HubError, download_model, parse_hub_id
 
 API_KEY_ENV = "INFERENCE_SERVICE_API_KEY"
@@ -57,6 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "output processing overlap the GPU (default: on with CUDA, off on the CPU)")
     m.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template replacing the model's own (as vLLM's --chat-template)")
+    m.add_argument("--generation-config", default="auto", metavar="auto|none|FOLDER",
+                   help="sampling defaults for fields a request leaves unset: auto = the checkpoint's "
+                        "generation_config.json (a GGUF: its general.sampling.* metadata), none = the OpenAI "
+                        "API's defaults, or a folder holding a generation_config.json (as vLLM)")
+    m.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="JSON object laid over those defaults (as vLLM), e.g. "
+                        "'{\"temperature\": 0.5, \"max_new_tokens\": 256, \"repetition_penalty\": 1.1}'; "
+                        "keys: temperature, top_p, top_k, min_p, repetition_penalty, frequency_penalty, "
+                        "presence_penalty, max_new_tokens (= max_tokens)")
+    m.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                   help="max_tokens of requests that set none (the same as overriding max_new_tokens); "
+                        "default: up to the end of the context window")
     m.add_argument("--max-model-len", type=int, default=None, help="context length; default: the model's")
     m.add_argument("--yarn-scaling-factor", type=float, default=None,
                    help="turn on YaRN rope scaling with this factor (extends the context by that much)")
@@ -87,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest prefill chunk of one sequence in one step (chunked prefill)")
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="waiting-queue bound; beyond it new requests get RESOURCE_EXHAUSTED")
+    s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: waiting requests in arrival order (a request's priority is ignored); priority: "
+                        "the lowest priority value first, arrival order among equals (as vLLM)")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (0.0.0.0: every interface; then set --api-key and TLS)")
@@ -140,6 +156,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         async_scheduling=args.async_scheduling,
         chat_template=args.chat_template,
         tensor_parallel_size=args.tensor_parallel_size,
+        generation_config=args.generation_config,
+        override_generation_config=_override_generation_config(args),
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_mib=args.kv_cache_memory_mib,
@@ -153,6 +171,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_prefill_chunk=args.max_prefill_chunk,
             max_waiting_requests=args.max_waiting_requests,
+            policy=args.scheduling_policy,
         ),
     )
     server = ServerConfig(
@@ -169,6 +188,18 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         tls_ca=args.tls_ca,
     )
     return engine, server
+
+
+def _override_generation_config(args: argparse.Namespace) -> dict:
+    override = parse_override(args.override_generation_config)
+    if args.default_max_tokens is not None:
+        if args.default_max_tokens < 1:
+            raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+        if {"max_tokens", "max_new_tokens"} & set(override):
+            raise ValueError("--default-max-tokens and --override-generation-config's max_new_tokens both set "
+                             "the default max_tokens: give one")
+        override["max_new_tokens"] = args.default_max_tokens
+    return override
 
 
 def main(argv: list[str] | None = None) -> None:

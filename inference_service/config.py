@@ -48,8 +48,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192  # tokens computed per step (decodes + prefill chunks)
     max_prefill_chunk: int = 8192  # longest prefill chunk of one sequence in one step
     max_waiting_requests: int = 1024  # beyond this, new requests get RESOURCE_EXHAUSTED
+    # "fcfs": waiting requests in arrival order; "priority": lowest `priority` value first (FCFS among
+    # equals), and preemption takes the running request of the highest value (vLLM's --scheduling-policy).
+    policy: str = "fcfs"
 
     def __post_init__(self):
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"--scheduling-policy must be fcfs or priority, got {self.policy!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_waiting_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -87,6 +92,11 @@ class EngineConfig:
     async_scheduling: bool | None = None
     chat_template: str | None = None  # a Jinja file replacing the model's own chat template
     tensor_parallel_size: int = 1  # accepted for vLLM's flag; only 1 until tensor parallelism exists
+    # Sampling defaults for fields a request leaves unset (`engine/generation_config.py`): "auto" = the
+    # checkpoint's generation_config.json (GGUF: general.sampling.*), "none" = the API's, or a folder path.
+    generation_config: str = "auto"
+    # Laid over those defaults: generation_config.json keys (temperature, max_new_tokens, ...) -> values.
+    override_generation_config: dict = field(default_factory=dict)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -113,6 +123,8 @@ class EngineConfig:
             raise ValueError(f"--max-cuda-graph-batch-size must be >= 1, got {self.max_cuda_graph_batch_size}")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template: no such file {self.chat_template!r}")
+        if self.generation_config not in ("auto", "none") and not os.path.isdir(self.generation_config):
+            raise ValueError(f"--generation-config must be auto, none or a folder, got {self.generation_config!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"--attention-backend must be auto, torch or triton, got {self.attention_backend!r}")
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from inference_service.api import pb
 from inference_service.engine.embedding_engine import EmbeddingResult, EmbedOptions
+from inference_service.engine.generation_config import GenerationDefaults
 from inference_service.engine.input_processor import ChatPrompt
 from inference_service.engine.request import CompletionDelta
 from inference_service.engine.sampling_params import SamplingParams
@@ -28,29 +29,42 @@ def _optional(msg: Any, name: str, default: Any) -> Any:
     return getattr(msg, name) if msg.HasField(name) else default
 
 
-def sampling_params_from_proto(start: pb.StartGeneration) -> SamplingParams:
+def sampling_params_from_proto(start: pb.StartGeneration,
+                               defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
+    """A field the request leaves unset takes the server's default from `defaults`, else the API's."""
     s, st = start.sampling, start.stopping
+    d = defaults
     return SamplingParams(
-        temperature=_optional(s, "temperature", 1.0),
-        top_p=_optional(s, "top_p", 1.0),
-        top_k=s.top_k,
-        min_p=s.min_p,
-        repetition_penalty=_optional(s, "repetition_penalty", 1.0),
-        frequency_penalty=s.frequency_penalty,
-        presence_penalty=s.presence_penalty,
+        temperature=_optional(s, "temperature", d.get("temperature", 1.0)),
+        top_p=_optional(s, "top_p", d.get("top_p", 1.0)),
+        top_k=_optional(s, "top_k", d.get("top_k", 0)),
+        min_p=_optional(s, "min_p", d.get("min_p", 0.0)),
+        repetition_penalty=_optional(s, "repetition_penalty", d.get("repetition_penalty", 1.0)),
+        frequency_penalty=_optional(s, "frequency_penalty", d.get("frequency_penalty", 0.0)),
+        presence_penalty=_optional(s, "presence_penalty", d.get("presence_penalty", 0.0)),
         logit_bias=dict(s.logit_bias),
         seed=_optional(s, "seed", None),
         logprobs=s.logprobs,
         top_logprobs=s.top_logprobs,
         structured_output=_structured_output(s),
+        allowed_token_ids=list(s.allowed_token_ids),
+        bad_words=list(s.bad_words),
+        prompt_logprobs=_optional(s, "prompt_logprobs", None),
         max_tokens=_optional(st, "max_tokens", None),
+        default_max_tokens=d.max_tokens,
         min_tokens=st.min_tokens,
         stop=list(st.stop),
         stop_token_ids=list(st.stop_token_ids),
         ignore_eos=st.ignore_eos,
+        include_stop_str_in_output=st.include_stop_str_in_output,
         n=start.n or 1,
         skip_special_tokens=_optional(start, "skip_special_tokens", True),
+        truncate_prompt_tokens=_optional(start, "truncate_prompt_tokens", None),
     )
+
+
+def generation_defaults_to_proto(defaults: GenerationDefaults) -> pb.GenerationDefaults:
+    return pb.GenerationDefaults(**defaults.as_dict())
 
 
 def _structured_output(s: pb.SamplingParams) -> StructuredOutputSpec | None:

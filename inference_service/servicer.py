@@ -18,6 +18,7 @@ from inference_service.convert import (
     embedding_result_to_proto,
     error_response,
     error_to_proto,
+    generation_defaults_to_proto,
     prompt_from_proto,
     sampling_params_from_proto,
 )
@@ -27,6 +28,7 @@ from inference_service.engine.info import ModelInfo
 from inference_service.engine.input_processor import InputProcessor
 from inference_service.engine.request import CompletionDelta, EngineRequest, Usage
 from inference_service.engine.sequence import FinishReason
+from inference_service import ENGINE_VERSION
 from inference_service.errors import InvalidRequestError, ResourceExhaustedError, UnimplementedError, as_engine_error
 from inference_service.stream_output import ResponseQueue
 
@@ -56,9 +58,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             raise UnimplementedError(
                 f"model {self.model.name!r} is an encoder ({self.model.family}) and serves only Embed "
                 f"and Tokenize, not Generate")
-        params = sampling_params_from_proto(start)
+        params = sampling_params_from_proto(start, self.async_engine.info().generation_defaults)
         add_special = start.add_special_tokens if start.HasField("add_special_tokens") else None
-        return self.input_processor.process(engine_request_id, prompt_from_proto(start), params, add_special)
+        return self.input_processor.process(engine_request_id, prompt_from_proto(start), params, add_special,
+                                            start.priority)
 
     def _count_rejected(self) -> None:
         if self.async_engine is not None:  # an encoder has no generation metrics
@@ -228,9 +231,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             supports_embed=embedder is not None,
             embedding_dimensions=embedder.embedding_dimensions if embedder is not None else 0,
             model_path=model.model_path,
+            engine_version=ENGINE_VERSION,
         )
         if info is None:
             return response
+        response.generation_defaults.CopyFrom(generation_defaults_to_proto(info.generation_defaults))
+        response.scheduling_policy = info.scheduling_policy
         response.kv_cache.CopyFrom(pb.KvCacheInfo(
             block_size=info.block_size,
             num_blocks=info.num_blocks,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inference_service.engine.generation_config import GenerationDefaults
 from inference_service.model.loader import LoadedModel
 
 
@@ -46,6 +47,9 @@ class EngineInfo:
     max_num_batched_tokens: int
     max_waiting_requests: int
     is_async_scheduling: bool
+    scheduling_policy: str = "fcfs"  # "fcfs" or "priority"
+    # Values of the sampling fields a request leaves unset (generation_config.json and overrides).
+    generation_defaults: GenerationDefaults = GenerationDefaults()
 
 
 @dataclass(frozen=True, slots=True)

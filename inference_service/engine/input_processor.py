@@ -66,19 +66,28 @@ class InputProcessor:
             **kwargs,
         )
 
-    def tokenize_prompt(self, prompt: str | list[int] | ChatPrompt, add_special_tokens: bool | None) -> list[int]:
-        """The prompt's token ids. A prompt too long for the context is refused before it is tokenized
-        (tokenizing megabytes takes seconds) by its length in bytes: see `max_bytes_per_token`."""
+    def tokenize_prompt(self, prompt: str | list[int] | ChatPrompt, add_special_tokens: bool | None,
+                        truncate_prompt_tokens: int | None = None) -> list[int]:
+        """The prompt's token ids (only the last `truncate_prompt_tokens` of them when set). A prompt too
+        long for the context is refused before it is tokenized (tokenizing megabytes takes seconds) by its
+        length in bytes: see `max_bytes_per_token`; a truncated one is not (the message size bounds it)."""
+        check = truncate_prompt_tokens is None
         if isinstance(prompt, ChatPrompt):
             text = self.render_chat(prompt)
-            self._check_length(text, "chat.messages")
+            if check:
+                self._check_length(text, "chat.messages")
             # The template already holds every special token the model expects.
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            return ids if check else ids[-truncate_prompt_tokens:]
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", field="text")
-            self._check_length(prompt, "text")
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            if check:
+                self._check_length(prompt, "text")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            return ids if check else ids[-truncate_prompt_tokens:]
+        if not check:
+            prompt = prompt[-truncate_prompt_tokens:]
         if len(prompt) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt)} tokens, but the model's context length is {self.max_model_len} "
@@ -97,8 +106,11 @@ class InputProcessor:
         prompt: str | list[int] | ChatPrompt,
         params: SamplingParams,
         add_special_tokens: bool | None = None,
+        priority: int = 0,
     ) -> EngineRequest:
-        prompt_ids = self.tokenize_prompt(prompt, add_special_tokens)
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -2**31 <= priority < 2**31:
+            raise InvalidRequestError(f"priority must be a 32-bit integer, got {priority!r}", field="priority")
+        prompt_ids = self.tokenize_prompt(prompt, add_special_tokens, params.truncate_prompt_tokens)
         num_prompt = len(prompt_ids)
         if num_prompt == 0:
             raise InvalidRequestError("the prompt is empty (0 tokens)", field="input")
@@ -115,7 +127,9 @@ class InputProcessor:
                 field="stopping.max_tokens",
             )
         params.validate_for_model(self.vocab_size)
-        return EngineRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params)
+        if params.bad_words:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        return EngineRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params, priority=priority)
 
 
     def _check_length(self, text: str, field: str) -> None:
@@ -126,6 +140,20 @@ class InputProcessor:
             f"the prompt is over {self.max_prompt_bytes} bytes of UTF-8, so it is longer than the model's context "
             f"length of {self.max_model_len} tokens (no token of this model stands for more than "
             f"{self.max_bytes_per_token // _NORMALIZATION_SLACK} bytes)", field=field)
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, bad_words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids as vLLM finds them: the word as given (left-stripped), and with a leading
+    space where that makes a different first token of as many tokens (the word inside a text)."""
+    out: list[list[int]] = []
+    for word in bad_words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if bare:
+            out.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out
 
 
 def longest_token_bytes(tokenizer: Tokenizer, vocab_size: int) -> int:

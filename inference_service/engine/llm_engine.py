@@ -12,6 +12,7 @@ import torch
 
 from inference_service.config import EngineConfig
 from inference_service.engine.block_manager import BlockManager
+from inference_service.engine.generation_config import load_generation_defaults
 from inference_service.engine.info import EngineInfo, EngineLoad, ModelInfo
 from inference_service.engine.input_processor import InputProcessor
 from inference_service.engine.model_runner import LaunchedStep, ModelRunner, SampledToken
@@ -66,6 +67,8 @@ class LLMEngine:
             self.tokenizer.chat_template = load_chat_template(config.chat_template)
         model_len = self.loaded.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self.generation_defaults = load_generation_defaults(config.generation_config, self.loaded.model_path,
+                                                            config.override_generation_config)
         self.model_runner = ModelRunner(self.loaded, config, self.device, self.dtype, self.max_model_len)
         self.block_manager = BlockManager(
             self.model_runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
@@ -97,6 +100,7 @@ class LLMEngine:
             num_blocks=bm.num_blocks, enable_prefix_caching=bm.enable_prefix_caching,
             max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
             max_waiting_requests=sched.max_waiting_requests, is_async_scheduling=self.is_async_scheduling,
+            scheduling_policy=sched.policy, generation_defaults=self.generation_defaults,
         )
 
     def load(self) -> EngineLoad:
@@ -130,7 +134,8 @@ class LLMEngine:
                 f"the prompt has {num_prompt} tokens but the KV cache holds only {self.max_seq_tokens}",
                 field="input",
             )
-        max_total = min(self.max_seq_tokens, num_prompt + (params.max_tokens or self.max_model_len))
+        max_total = min(self.max_seq_tokens, num_prompt + (params.max_tokens or params.default_max_tokens
+                                                            or self.max_model_len))
         grammar = request.grammar
         if grammar is None and params.structured_output is not None:
             grammar = self.grammar_compiler.compile(params.structured_output)
@@ -150,6 +155,7 @@ class LLMEngine:
                 generator=generator,
                 grammar=grammar if index == 0 or grammar is None else grammar.deep_copy(),
                 arrival_time=request.arrival_time,
+                priority=request.priority,
             )
             seqs.append(seq)
             self.output_processor.add(seq)

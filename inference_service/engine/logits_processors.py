@@ -3,7 +3,8 @@
 Each builder returns None when no row of the step needs its processor, so a batch without
 penalties, biases or formats costs nothing here. `apply_processors` runs them in `ORDER`::
 
-    FormatMask -> LogitBias -> MinTokensMask -> Penalties (repetition, then frequency/presence)
+    FormatMask -> AllowedTokens -> BadWords -> LogitBias -> MinTokensMask -> Penalties (repetition, then
+    frequency/presence)
 
 Every `apply` takes logits [N, V] float32 that the caller owns (it may modify them in place) and
 returns the processed logits.
@@ -30,6 +31,33 @@ class FormatMask:
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         logits[self.rows] = logits[self.rows].masked_fill(~self.allowed, float("-inf"))
+        return logits
+
+
+@dataclass(slots=True)
+class AllowedTokens:
+    """`allowed_token_ids`: every other token of each such row set to -inf."""
+
+    rows: torch.Tensor | None  # [A] int64 batch rows; None = every row
+    allowed: torch.Tensor  # [A, V] bool
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.rows is None:
+            return logits.masked_fill_(~self.allowed, float("-inf"))
+        logits[self.rows] = logits[self.rows].masked_fill(~self.allowed, float("-inf"))
+        return logits
+
+
+@dataclass(slots=True)
+class BadWords:
+    """`bad_words`: the last token of each bad word whose other tokens end the output so far, set to -inf
+    (a one-token word always)."""
+
+    rows: torch.Tensor  # [M] int64 batch rows
+    token_ids: torch.Tensor  # [M] int64
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        logits[self.rows, self.token_ids] = float("-inf")
         return logits
 
 
@@ -85,8 +113,8 @@ class Penalties:
         return logits
 
 
-LogitsProcessor = FormatMask | LogitBias | MinTokensMask | Penalties
-ORDER = (FormatMask, LogitBias, MinTokensMask, Penalties)
+LogitsProcessor = FormatMask | AllowedTokens | BadWords | LogitBias | MinTokensMask | Penalties
+ORDER = (FormatMask, AllowedTokens, BadWords, LogitBias, MinTokensMask, Penalties)
 
 
 def apply_processors(logits: torch.Tensor, processors: Sequence[LogitsProcessor]) -> torch.Tensor:
@@ -106,6 +134,28 @@ def build_format_mask(grammars: Sequence[Any] | None, vocab_size: int, device) -
         return None
     bitmask = token_bitmask([grammars[i] for i in rows], vocab_size).to(device)  # [R, W]
     return FormatMask(to_device(rows, torch.long, device), unpack_bitmask(bitmask, vocab_size))
+
+
+def banned_last_tokens(bad_words_token_ids: Sequence[Sequence[int]], output_token_ids: Sequence[int]) -> list[int]:
+    """The tokens a row's bad words ban next (vLLM's rule): a word's last token when its other tokens are
+    the last tokens of the output (a one-token word: always)."""
+    banned = set()
+    for word in bad_words_token_ids:
+        prefix = len(word) - 1
+        if prefix > len(output_token_ids):
+            continue
+        if prefix == 0 or list(output_token_ids[-prefix:]) == list(word[:prefix]):
+            banned.add(word[-1])
+    return sorted(banned)
+
+
+def build_bad_words(rows: Sequence[int], banned: Sequence[Sequence[int]], device) -> BadWords | None:
+    """`banned[j]`: the token ids banned in batch row `rows[j]` this step."""
+    row_ids = [row for row, ids in zip(rows, banned) for _ in range(len(ids))]
+    if not row_ids:
+        return None
+    token_ids = [t for ids in banned for t in ids]
+    return BadWords(to_device(row_ids, torch.long, device), to_device(token_ids, torch.long, device))
 
 
 def build_min_tokens_mask(rows: Sequence[int], banned: Sequence[Sequence[int]], device) -> MinTokensMask | None:

@@ -132,9 +132,10 @@ class ModelRunner:
             logits = self.model.compute_logits(last_hidden)  # [num_sampling, vocab]
         seqs = [scheduled[i].seq for i in rows]
         self.sampling_rows.update(seqs)
-        # Only a format's matcher needs the previous token on the host: penalties read the device history.
+        # Only a format's matcher and bad words of several tokens need the previous token on the host:
+        # penalties read the device history.
         waits = in_flight is not None and in_flight.pending is not None and any(
-            seq.grammar is not None for seq in seqs)
+            seq.grammar is not None or seq.params.has_multi_token_bad_words for seq in seqs)
         self.num_sampling_waits += waits
         return ForwardStep(seqs, logits, waits)
 
@@ -149,6 +150,7 @@ class ModelRunner:
             # Outputs so far: those on the host and those pending, less the one this step samples.
             [len(seq.token_ids) + seq.num_pending_tokens - 1 - seq.num_prompt_tokens for seq in seqs],
             [seq.grammar for seq in seqs],
+            [seq.output_token_ids if seq.params.bad_words_token_ids else None for seq in seqs],
         )
         sample = self.sampler.sample(forward.logits, batch)
         self.sampling_state.record_sampled(batch, sample.token_ids)

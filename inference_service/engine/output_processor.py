@@ -28,7 +28,7 @@ class OutputProcessor:
     def add(self, seq: Sequence) -> None:
         self._states[seq.seq_id] = _SeqOutput(
             IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens),
-            StopStringMatcher(seq.params.stop),
+            StopStringMatcher(seq.params.stop, seq.params.include_stop_str_in_output),
         )
 
     def remove(self, seq: Sequence) -> None:

@@ -22,6 +22,7 @@ class EngineRequest:
     # The compiled `params.structured_output` (an llguidance matcher), when compiled before `add_request`
     # (the async engine compiles off the step thread); None: `add_request` compiles it.
     grammar: Any = None
+    priority: int = 0  # lower runs first under the priority scheduling policy
 
 
 @dataclass(slots=True)

@@ -53,6 +53,13 @@ def _check_bool(value: object, field_path: str) -> None:
         raise InvalidRequestError(f"{field_path} must be a boolean, got {value!r}", field=field_path)
 
 
+def _check_token_list(value: object, field_path: str) -> None:
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"{field_path} must be a list of token ids, got {value!r}", field=field_path)
+    for i, token_id in enumerate(value):
+        _check_int(token_id, f"{field_path}[{i}]", low=0)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How one request's tokens are chosen and when its generation stops.
@@ -75,15 +82,26 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per position; only used with `logprobs`
     structured_output: StructuredOutputSpec | None = None  # None: free text
+    allowed_token_ids: list[int] = field(default_factory=list)  # empty: any token
+    bad_words: list[str] = field(default_factory=list)
+    prompt_logprobs: int | None = None  # alternatives per prompt position; None: no prompt logprobs
     # --- stopping.* ---
-    max_tokens: int | None = None  # None: up to the end of the context window
+    max_tokens: int | None = None  # None: `default_max_tokens`, else up to the end of the context window
+    # The server's default (`--default-max-tokens`, generation_config's max_new_tokens) for a request that
+    # sets no max_tokens; unlike max_tokens it is cut to the context left after the prompt, never refused.
+    default_max_tokens: int | None = None
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     # --- request level ---
     n: int = 1
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last this many tokens
+    # Token sequences of `bad_words` (each word with and without a leading space), filled in by the
+    # InputProcessor, which has the tokenizer (`set_bad_words_token_ids`).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         inf = math.inf
@@ -114,8 +132,21 @@ class SamplingParams:
             raise InvalidRequestError(f"sampling.structured_output must be a StructuredOutputSpec, got "
                                       f"{self.structured_output!r}", field="sampling.structured_output")
 
+        _check_token_list(self.allowed_token_ids, "sampling.allowed_token_ids")
+        if not isinstance(self.bad_words, list):
+            raise InvalidRequestError(f"sampling.bad_words must be a list of strings, got {self.bad_words!r}",
+                                      field="sampling.bad_words")
+        for i, word in enumerate(self.bad_words):
+            if not isinstance(word, str) or not word.strip():
+                raise InvalidRequestError(f"sampling.bad_words[{i}] must be a non-empty string, got {word!r}",
+                                          field=f"sampling.bad_words[{i}]")
+        if self.prompt_logprobs is not None:
+            _check_int(self.prompt_logprobs, "sampling.prompt_logprobs", low=0, high=MAX_TOP_LOGPROBS)
+
         if self.max_tokens is not None:
             _check_int(self.max_tokens, "stopping.max_tokens", low=1)
+        if self.default_max_tokens is not None:
+            _check_int(self.default_max_tokens, "stopping.max_tokens", low=1)
         _check_int(self.min_tokens, "stopping.min_tokens", low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
@@ -139,9 +170,17 @@ class SamplingParams:
         for i, token_id in enumerate(self.stop_token_ids):
             _check_int(token_id, f"stopping.stop_token_ids[{i}]", low=0)
         _check_bool(self.ignore_eos, "stopping.ignore_eos")
+        _check_bool(self.include_stop_str_in_output, "stopping.include_stop_str_in_output")
 
         _check_int(self.n, "n", low=1, high=MAX_N)
         _check_bool(self.skip_special_tokens, "skip_special_tokens")
+        if self.truncate_prompt_tokens is not None:
+            _check_int(self.truncate_prompt_tokens, "truncate_prompt_tokens", low=1)
+
+    @property
+    def has_multi_token_bad_words(self) -> bool:
+        """Whether a bad word's ban depends on the output so far (its token sequence is longer than one)."""
+        return any(len(ids) > 1 for ids in self.bad_words_token_ids)
 
     @property
     def is_greedy(self) -> bool:
@@ -159,6 +198,13 @@ class SamplingParams:
                     f"sampling.logit_bias token id {token_id} is out of range for a vocabulary of "
                     f"{vocab_size} tokens",
                     field=f"sampling.logit_bias[{token_id}]",
+                )
+        for i, token_id in enumerate(self.allowed_token_ids):
+            if token_id >= vocab_size:
+                raise InvalidRequestError(
+                    f"sampling.allowed_token_ids[{i}] = {token_id} is out of range for a vocabulary of "
+                    f"{vocab_size} tokens",
+                    field=f"sampling.allowed_token_ids[{i}]",
                 )
         for i, token_id in enumerate(self.stop_token_ids):
             if token_id >= vocab_size:

@@ -14,6 +14,10 @@ the device (`record_sampled`), so a penalty row never waits for the step before 
     counts [R, V]:  output token counts (allocated with the first row that has a penalty)
     seen   [R, V]:  prompt tokens (repetition penalty rows)
     bias   [R, V]:  logit bias (allocated with the first row that has one)
+    allowed [R, V]: allowed_token_ids (allocated with the first row that has them)
+
+Bad words are checked on the host each step against the row's output so far (`banned_last_tokens`):
+a row whose bad words span several tokens needs its previous token on the host, as a format does.
 
 NOTE: the [R, V] tensors are allocated on first use: a server that never sees a penalty or a bias
 keeps the memory; on a GPU they come out of the headroom `gpu_memory_fraction` leaves.
@@ -28,7 +32,10 @@ import numpy as np
 import torch
 
 from inference_service.engine.logits_processors import (
+    AllowedTokens,
     LogitBias,
+    banned_last_tokens,
+    build_bad_words,
     LogitsProcessor,
     Penalties,
     build_format_mask,
@@ -60,6 +67,8 @@ class SamplingState:
         self._top_k = np.zeros(r, dtype=np.int64)
         self._is_greedy = np.zeros(r, dtype=bool)
         self._has_bias = np.zeros(r, dtype=bool)
+        self._has_allowed = np.zeros(r, dtype=bool)
+        self._bad_words: list[list[list[int]]] = [[]] * r  # token sequences of each row's bad words
         self._has_history = np.zeros(r, dtype=bool)  # repetition, frequency or presence penalty
         self._min_tokens = np.zeros(r, dtype=np.int64)
         self._num_top_logprobs = np.full(r, -1, dtype=np.int64)  # -1: no logprobs
@@ -68,6 +77,7 @@ class SamplingState:
         self.counts: torch.Tensor | None = None  # [R, V] float32 output token counts
         self.seen: torch.Tensor | None = None  # [R, V] bool prompt tokens
         self.bias: torch.Tensor | None = None  # [R, V] float32
+        self.allowed: torch.Tensor | None = None  # [R, V] bool
 
     @property
     def num_free_slots(self) -> int:
@@ -97,6 +107,8 @@ class SamplingState:
         self._banned[slot] = tuple(sorted(banned))
         self._generators[slot] = generator
         self._write_bias(slot, p.logit_bias)
+        self._write_allowed(slot, p.allowed_token_ids)
+        self._bad_words[slot] = p.bad_words_token_ids
         self._write_history(slot, p, prompt_token_ids, output_token_ids)
         return slot
 
@@ -117,6 +129,16 @@ class SamplingState:
         if logit_bias:
             row[to_device(list(logit_bias), torch.long, self.device)] = to_device(
                 list(logit_bias.values()), torch.float32, self.device)
+
+    def _write_allowed(self, slot: int, allowed_token_ids: Sequence[int]) -> None:
+        self._has_allowed[slot] = bool(allowed_token_ids)
+        if not allowed_token_ids:
+            return
+        if self.allowed is None:
+            self.allowed = torch.zeros((self.max_num_rows, self.vocab_size), dtype=torch.bool, device=self.device)
+        row = self.allowed[slot]
+        row.zero_()
+        row[to_device(list(allowed_token_ids), torch.long, self.device)] = True
 
     def _write_history(self, slot: int, p: SamplingParams, prompt_token_ids: Sequence[int],
                        output_token_ids: Sequence[int]) -> None:
@@ -140,10 +162,12 @@ class SamplingState:
             self.seen[slot, to_device(list(prompt_token_ids), torch.long, self.device)] = True
 
     def batch(self, slots: Sequence[int], num_output_tokens: Sequence[int],
-              grammars: Sequence[Any] | None = None) -> SamplingBatch:
+              grammars: Sequence[Any] | None = None,
+              output_token_ids: Sequence[Sequence[int] | None] | None = None) -> SamplingBatch:
         """The step's sampling inputs: batch row i is slot `slots[i]`, which has
         `num_output_tokens[i]` outputs so far (for min_tokens). `grammars[i]` is row i's
-        structured-output matcher or None; it must have consumed every earlier token."""
+        structured-output matcher or None; it must have consumed every earlier token.
+        `output_token_ids[i]`: row i's outputs on the host, for its bad words (None for a row without)."""
         n = len(slots)
         slots_np = np.asarray(slots, dtype=np.int64)
         slot_ids = to_device(slots, torch.long, self.device)  # [N]
@@ -151,6 +175,12 @@ class SamplingState:
         format_mask = build_format_mask(grammars, self.vocab_size, self.device)
         if format_mask is not None:
             processors.append(format_mask)
+        if self._has_allowed[slots_np].any():
+            rows, row_slots = self._subset(self._has_allowed[slots_np], slot_ids)
+            processors.append(AllowedTokens(rows, self.allowed[row_slots]))
+        bad_words = self._bad_words_mask(slots, output_token_ids)
+        if bad_words is not None:
+            processors.append(bad_words)
         if self._has_bias[slots_np].any():
             rows, row_slots = self._subset(self._has_bias[slots_np], slot_ids)
             processors.append(LogitBias(rows, self.bias[row_slots]))
@@ -175,6 +205,13 @@ class SamplingState:
             return None, slot_ids
         rows = to_device(np.flatnonzero(is_row).tolist(), torch.long, self.device)
         return rows, slot_ids[rows]
+
+    def _bad_words_mask(self, slots: Sequence[int], output_token_ids: Sequence[Sequence[int] | None] | None):
+        rows = [i for i, s in enumerate(slots) if self._bad_words[s]]
+        if not rows:
+            return None
+        banned = [banned_last_tokens(self._bad_words[slots[i]], output_token_ids[i] or ()) for i in rows]
+        return build_bad_words(rows, banned, self.device)
 
     def _min_tokens_mask(self, slots: Sequence[int], num_output_tokens: Sequence[int]):
         short = [(i, s) for i, s in enumerate(slots) if num_output_tokens[i] < self._min_tokens[s] and self._banned[s]]

@@ -18,6 +18,11 @@ class ScheduledSeq:
     is_sampling: bool  # the step computes its last token, so it samples the next one
 
 
+def priority_key(seq: Sequence) -> tuple[int, float, int]:
+    """Order of the priority policy: lowest priority value, then earliest arrival, then creation."""
+    return seq.priority, seq.arrival_time, seq.seq_id
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
@@ -40,6 +45,10 @@ class Scheduler:
     its blocks are freed (they stay in the prefix cache) and it goes back to the front of the
     waiting queue, to be prefilled again over its prompt and output so far.
 
+    Under the "priority" policy both queues are kept in `priority_key` order instead (lowest
+    priority value first, then arrival): the waiting queue is admitted in that order and the
+    running sequence last in it is the one preempted.
+
     Scheduling a step advances `num_computed_tokens` and counts the token a sampling sequence
     will get as pending, so the next step can be scheduled before this one's ids are known
     (async scheduling); `update_from_output` appends them. Invariant: at most one step's tokens
@@ -58,16 +67,33 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    @property
+    def is_priority(self) -> bool:
+        return self.config.policy == "priority"
+
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if self.is_priority:
+            self._insert_waiting(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _insert_waiting(self, seq: Sequence) -> None:
+        """Inserts into the waiting queue kept in `priority_key` order (after its equals)."""
+        key = priority_key(seq)
+        i = len(self.waiting)
+        while i > 0 and priority_key(self.waiting[i - 1]) > key:
+            i -= 1
+        self.waiting.insert(i, seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         chunk = self.config.max_prefill_chunk
 
-        # Running sequences, oldest first; victims of preemption come from the back.
+        # Running sequences, oldest (priority: most urgent) first; victims of preemption come from the back.
+        if self.is_priority:
+            self.running.sort(key=priority_key)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -120,7 +146,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.is_priority:
+            self._insert_waiting(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[int, int]) -> list[Sequence]:
         """Appends the step's sampled tokens to their sequences and ends those a token stop rule ends.

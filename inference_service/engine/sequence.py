@@ -61,6 +61,7 @@ class Sequence:
     generator: torch.Generator | None = None
     grammar: Any = None  # llguidance matcher of a structured-output request, fed every sampled token
     arrival_time: float = 0.0
+    priority: int = 0  # lower runs first under the priority scheduling policy
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -17,11 +17,13 @@ class StopStringMatcher:
 
     `feed(delta)` returns `(text safe to emit now, matched stop or None)`. Once a stop
     matched, the text before it has been emitted, the stop string and everything after it are
-    dropped, and further calls return ("", None). `flush()` returns the held-back text when the
-    completion ends for another reason. With no stops, text passes straight through.
+    dropped (with `include_stop`: the stop string is emitted too, what follows it dropped), and further
+    calls return ("", None). `flush()` returns the held-back text when the completion ends for another
+    reason. With no stops, text passes straight through.
     """
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include_stop: bool = False):
+        self.include_stop = include_stop
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop strings must be non-empty strings, got {stops!r}")
         self.stops = list(dict.fromkeys(stops))  # deduplicated, order kept
@@ -53,7 +55,7 @@ class StopStringMatcher:
         if best_stop is not None:
             self._pending = ""
             self.matched = best_stop
-            return text[:best_start], best_stop
+            return text[:best_end if self.include_stop else best_start], best_stop
         hold = self._holdback_length(text)
         self._pending = text[len(text) - hold:] if hold else ""
         return text[: len(text) - hold], None
