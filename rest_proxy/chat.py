@@ -27,7 +27,7 @@ from rest_proxy.sse import ChunkWriter, write_chunks
 from rest_proxy.tool_parsers import ToolParser, get_parser, select_parser
 from rest_proxy.translate import (add_usage, chat_input, chat_logprobs, check_max_tokens, check_wire_safe,
                                   finish_reason, format_field, map_format_error, message_text, sampling_params,
-                                  stopping_criteria, system_fingerprint, template_renders_tools, usage_dict)
+                                  set_request_options, stopping_criteria, system_fingerprint, template_renders_tools, usage_dict)
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,7 @@ class ChatService:
             request_id=uuid.uuid4().hex, chat=chat, n=req.n, skip_special_tokens=req.skip_special_tokens,
             sampling=sampling_params(req, logprobs=req.logprobs, top_logprobs=plan.top_logprobs),
             stopping=stopping_criteria(req, req.max_completion_tokens or req.max_tokens))
+        set_request_options(start, req)
         if first_round and plan.prefill is not None and plan.forced is not None:
             self._constrain_forced_call(plan, start)
         elif tools and plan.strict & {t["function"]["name"] for t in tools}:
@@ -206,10 +207,15 @@ class ChatService:
                                   include_reasoning=plan.req.include_reasoning,
                                   has_reasoning_field=plan.reasoning is not None)
                       for _ in range(plan.req.n)]
+            echo = _echo_text(plan) if first else None
+            echoed: set[int] = set()
             async with aclosing(self._generate(plan, start)) as responses:
                 async for resp in responses:
                     if resp.index >= len(states):
                         continue
+                    if echo and resp.index not in echoed:  # once the engine has answered, not before
+                        echoed.add(resp.index)
+                        yield ChatDelta(resp.index, [{"content": echo}], None)
                     state = states[resp.index]
                     deltas = state.feed(resp.text)
                     lps = chat_logprobs(resp.logprobs, plan.top_logprobs) if plan.req.logprobs else None
@@ -327,6 +333,14 @@ class _ChatChunks:
 def _choice(index: int, delta: dict, lps: list[dict] | None = None, reason: str | None = None) -> dict:
     return {"index": index, "delta": delta, "logprobs": {"content": lps, "refusal": None} if lps is not None else None,
             "finish_reason": reason}
+
+
+def _echo_text(plan: ChatPlan) -> str | None:
+    """vLLM's chat `echo`: the last message's content, when that message is the assistant's (the one the
+    answer continues, as with `continue_final_message`); None otherwise."""
+    if not plan.req.echo or not plan.messages or plan.messages[-1].role != "assistant":
+        return None
+    return message_text(plan.messages[-1], len(plan.messages) - 1) or None
 
 
 def _accumulate(state: ChoiceState, deltas: list[dict], lps: list[dict] | None) -> None:

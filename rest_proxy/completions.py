@@ -15,8 +15,9 @@ from rest_proxy.events import CompletionEvent, StreamUsage, TextDelta
 from rest_proxy.metrics import ProxyMetrics
 from rest_proxy.protocol import CompletionRequest
 from rest_proxy.sse import ChunkWriter, write_chunks
-from rest_proxy.translate import (add_usage, check_max_tokens, check_wire_safe, finish_reason, sampling_params,
-                                  stopping_criteria, system_fingerprint, usage_dict)
+from rest_proxy.translate import (add_usage, check_max_tokens, check_wire_safe, default_max_tokens, finish_reason,
+                                  sampling_params, set_request_options, stopping_criteria, system_fingerprint,
+                                  usage_dict)
 
 
 def prompt_inputs(prompt) -> list[str | list[int]]:
@@ -84,12 +85,14 @@ class CompletionService:
         prompts = prompt_inputs(req.prompt)
         _check_queue_room(info, len(prompts) * req.n)
         starts, echoes = [], []
-        max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default for completions
+        # OpenAI's default for completions is 16, unless the engine has a default of its own.
+        max_tokens = req.max_tokens if req.max_tokens is not None else default_max_tokens(info, 16)
         for prompt in prompts:
             start = pb.StartGeneration(
                 request_id=uuid.uuid4().hex, n=req.n, skip_special_tokens=req.skip_special_tokens,
                 sampling=sampling_params(req, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0),
                 stopping=stopping_criteria(req, max_tokens))
+            set_request_options(start, req)
             if isinstance(prompt, str):
                 start.text = prompt
                 echoes.append(prompt)

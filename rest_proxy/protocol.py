@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 UINT32_MAX = 2**32 - 1
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 # What the engine hands the chat template itself (`inference.v1.ChatInput.chat_template_kwargs_json`).
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "special_tokens"})
@@ -122,6 +123,14 @@ class _SamplingFields(_Model):
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
+    # vLLM's extra sampling fields (through the SDK's `extra_body`).
+    allowed_token_ids: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] | None = None
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
+    # Strict: "3" or 3.5 is a 400, not silently an int. Honoured under the engine's --scheduling-policy priority.
+    priority: Annotated[int, Field(strict=True, ge=INT32_MIN, le=INT32_MAX)] = 0
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -136,6 +145,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # vLLM's: false leaves a thinking model's reasoning out of the answer
+    echo: bool = False  # vLLM's: the answer starts with the last message's content when that is the assistant's
 
     @field_validator("chat_template_kwargs")
     @classmethod

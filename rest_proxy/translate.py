@@ -20,16 +20,17 @@ _UINT64 = 2**64
 
 def sampling_params(req: _SamplingFields, *, logprobs: bool = False, top_logprobs: int = 0) -> pb.SamplingParams:
     params = pb.SamplingParams(logprobs=logprobs, top_logprobs=top_logprobs if logprobs else 0)
-    for name in ("temperature", "top_p", "repetition_penalty"):
+    # NOTE: a field the client omits stays unset, so the engine's defaults (the checkpoint's
+    # generation_config.json, --override-generation-config) apply, as in vLLM.
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
+                 "prompt_logprobs"):
         value = getattr(req, name)
         if value is not None:
             setattr(params, name, value)
-    if req.top_k is not None and req.top_k > 0:
-        params.top_k = req.top_k
-    if req.min_p is not None:
-        params.min_p = req.min_p
-    params.frequency_penalty = req.frequency_penalty or 0.0
-    params.presence_penalty = req.presence_penalty or 0.0
+    if req.top_k is not None:
+        params.top_k = max(req.top_k, 0)  # vLLM's -1 = off = our 0
+    params.allowed_token_ids.extend(req.allowed_token_ids or [])
+    params.bad_words.extend(req.bad_words or [])
     if req.seed is not None:
         params.seed = req.seed % _UINT64
     for key, bias in (req.logit_bias or {}).items():
@@ -44,6 +45,21 @@ def sampling_params(req: _SamplingFields, *, logprobs: bool = False, top_logprob
     if structured is not None:
         params.structured_output.CopyFrom(structured)
     return params
+
+
+def set_request_options(start: pb.StartGeneration, req: _SamplingFields) -> None:
+    """The request-level vLLM fields: truncate_prompt_tokens and priority."""
+    if req.truncate_prompt_tokens is not None:
+        start.truncate_prompt_tokens = req.truncate_prompt_tokens
+    start.priority = req.priority
+
+
+def default_max_tokens(info: pb.GetModelInfoResponse | None, api_default: int | None) -> int | None:
+    """max_tokens of a request that sets none: None (unset) where the engine has a default of its own,
+    which then applies, else the API's (`api_default`)."""
+    if info is not None and info.generation_defaults.HasField("max_tokens"):
+        return None
+    return api_default
 
 
 def format_field(req: _SamplingFields) -> str | None:
@@ -128,7 +144,8 @@ def check_max_tokens(info: pb.GetModelInfoResponse | None, max_tokens: int | Non
 def stopping_criteria(req: _SamplingFields, max_tokens: int | None) -> pb.StoppingCriteria:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     criteria = pb.StoppingCriteria(stop=[s for s in stop if s], stop_token_ids=req.stop_token_ids or [],
-                                   min_tokens=req.min_tokens, ignore_eos=req.ignore_eos)
+                                   min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+                                   include_stop_str_in_output=req.include_stop_str_in_output)
     if max_tokens is not None:
         criteria.max_tokens = max_tokens
     return criteria

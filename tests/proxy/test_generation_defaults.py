@@ -1,0 +1,154 @@
+"""Server-side defaults and vLLM's extra request fields, end to end: a tiny checkpoint whose
+generation_config.json sets sampling defaults, served by the real engine over gRPC, and the proxy in front
+of it driven by the official `openai` SDK (vLLM fields through `extra_body`)."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from inference_service import ENGINE_VERSION
+from inference_service.api import pb, pb_grpc
+from inference_service.engine.generation_config import load_generation_defaults
+from rest_proxy.config import ProxyConfig
+from tests.grpc_client import GenerateStream
+from tests.model.tiny_models import make_hf_model, save_hf_model
+from tests.proxy.conftest import launch_engine
+from tests.proxy.servers import ProxyServer
+
+# repetition_penalty is what greedy requests can observe exactly; max_new_tokens is the default max_tokens.
+GENERATION_CONFIG = {"temperature": 0.0, "top_p": 0.8, "top_k": 7, "repetition_penalty": 3.0,
+                     "max_new_tokens": 6, "bos_token_id": 256, "eos_token_id": 257}
+PROMPT = "abcabcabcabc"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = save_hf_model(make_hf_model("qwen2"), str(tmp_path_factory.mktemp("tiny")))
+    with open(f"{folder}/generation_config.json", "w") as f:
+        json.dump(GENERATION_CONFIG, f)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint, tmp_path_factory):
+    yield from launch_engine(tmp_path_factory.mktemp("defaults"), "--model", checkpoint,
+                             "--override-generation-config", '{"presence_penalty": 0.5}',
+                             "--scheduling-policy", "priority", "--max-num-seqs", "1")
+
+
+@pytest.fixture(scope="module")
+def stub(engine):
+    with grpc.insecure_channel(engine) as channel:
+        yield pb_grpc.InferenceServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def proxy(engine):
+    server = ProxyServer(ProxyConfig(engines=[engine])).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def sdk(proxy) -> OpenAI:
+    return OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def generate(stub, **fields):
+    stream = GenerateStream(stub)
+    stream.start("r", text=PROMPT, **fields)
+    stream.wait_done({"r"})
+    stream.close()
+    return stream.results["r"]
+
+
+def test_defaults_are_read_merged_and_reported(stub, checkpoint):
+    info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    d = info.generation_defaults
+    assert (d.temperature, round(d.top_p, 6), d.top_k, d.repetition_penalty, d.presence_penalty, d.max_tokens) \
+        == (0.0, 0.8, 7, 3.0, 0.5, 6)
+    assert not d.HasField("min_p") and not d.HasField("frequency_penalty")
+    assert info.engine_version == ENGINE_VERSION and info.scheduling_policy == "priority"
+    assert load_generation_defaults("none", checkpoint).as_dict() == {}
+    assert load_generation_defaults(checkpoint, "/elsewhere", {"max_tokens": 3}).as_dict() == {
+        "temperature": 0.0, "top_p": 0.8, "top_k": 7, "repetition_penalty": 3.0, "max_tokens": 3}
+
+
+def test_unset_fields_take_the_defaults_and_set_fields_win(stub):
+    defaulted = generate(stub)  # nothing set: greedy (temperature 0), penalties, 6 tokens
+    explicit = generate(stub, sampling=pb.SamplingParams(temperature=0.0, repetition_penalty=3.0, presence_penalty=0.5,
+                                                         top_k=7, top_p=0.8),
+                        stopping=pb.StoppingCriteria(max_tokens=6))
+    plain = generate(stub, sampling=pb.SamplingParams(temperature=0.0, repetition_penalty=1.0, presence_penalty=0.0),
+                     stopping=pb.StoppingCriteria(max_tokens=6))
+    assert len(defaulted.tokens) == 6 and defaulted.completions[0].finish_reason == pb.FINISH_REASON_LENGTH
+    assert defaulted.tokens == explicit.tokens
+    assert plain.tokens != defaulted.tokens  # the penalties changed the greedy path
+    assert len(generate(stub, stopping=pb.StoppingCriteria(max_tokens=2)).tokens) == 2
+
+
+def test_proxy_leaves_omitted_fields_to_the_engine(sdk, stub):
+    model = sdk.models.list().data[0].id
+    defaulted = generate(stub)
+    resp = sdk.completions.create(model=model, prompt=PROMPT)  # no max_tokens, no temperature
+    assert resp.usage.completion_tokens == 6 and resp.choices[0].finish_reason == "length"
+    ids = sdk.completions.create(model=model, prompt=PROMPT, logprobs=0)
+    assert ids.usage.completion_tokens == 6
+    assert resp.choices[0].text == ids.choices[0].text
+    plain = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                   extra_body={"repetition_penalty": 1.0, "presence_penalty": 0.0})
+    assert plain.choices[0].text != resp.choices[0].text
+    assert len(defaulted.tokens) == 6
+
+
+def test_allowed_token_ids_and_bad_words_through_the_proxy(sdk, stub):
+    model = sdk.models.list().data[0].id
+    tokens = stub.Tokenize(iter([pb.TokenizeRequest(request_id="t", tokenize=pb.TokenizeText(text="xy"))]))
+    allowed = list(next(tokens).token_ids)  # byte tokens: "x" and "y"
+    resp = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=3,
+                                  extra_body={"allowed_token_ids": allowed})
+    assert set(resp.choices[0].text) <= {"x", "y"} and len(resp.choices[0].text) == 8
+    # Letters only (the random model's free output is mostly invalid UTF-8), then a two-token word banned.
+    tokens = stub.Tokenize(iter([pb.TokenizeRequest(request_id="t", tokenize=pb.TokenizeText(text="abcxyz"))]))
+    letters = {"allowed_token_ids": list(next(tokens).token_ids)}
+    free = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                  extra_body=letters).choices[0].text
+    word = free[:2]
+    banned = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                    extra_body={**letters, "bad_words": [word]}).choices[0].text
+    assert len(banned) == 6 and word not in banned and banned[0] == free[0] and banned[1] != free[1]
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body={"allowed_token_ids": [1, 10**6]})
+    assert e.value.body["param"] == "sampling.allowed_token_ids[1]"
+
+
+def test_truncate_stop_str_priority_and_echo(sdk, proxy):
+    model = sdk.models.list().data[0].id
+    resp = sdk.completions.create(model=model, prompt="zzzzzzzz" + PROMPT, max_tokens=2,
+                                  extra_body={"truncate_prompt_tokens": 4})
+    assert resp.usage.prompt_tokens == 4
+    free = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0).choices[0].text
+    stop = free[2:4]
+    cut = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, stop=[stop])
+    kept = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, stop=[stop],
+                                  extra_body={"include_stop_str_in_output": True})
+    assert cut.choices[0].text == free[:2] and kept.choices[0].text == free[:4]
+    chat = sdk.chat.completions.create(
+        # (the tiny template renders the first message only)
+        model=model, max_tokens=3, temperature=0, messages=[{"role": "assistant", "content": "Once"}],
+        extra_body={"echo": True, "continue_final_message": True, "add_generation_prompt": False, "priority": -2})
+    assert chat.choices[0].message.content.startswith("Once") and len(chat.choices[0].message.content) > 4
+    for body, param in (({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"), ({"priority": "1"}, "priority"),
+                        ({"priority": 1.5}, "priority"), ({"bad_words": [""]}, "bad_words[0]"),
+                        ({"allowed_token_ids": [-1]}, "allowed_token_ids[0]")):
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body=body)
+        assert e.value.status_code == 400 and e.value.body["param"] == param, body
+    version = httpx.get(proxy.url + "/version").json()
+    assert version == {"version": ENGINE_VERSION, "engines": [{"model": model, "version": ENGINE_VERSION}]}
