@@ -12,7 +12,7 @@ from kernels.gemv import MAX_GEMV_ROWS, gemv, gemv_ref
 from kernels.kv_write import quantize_fp8_ref, write_kv_cache, write_kv_cache_ref
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_ref
-from kernels.rotary import apply_rotary, build_cos_sin_cache, rope_inv_freq, rotary_ref
+from kernels.rotary import apply_rotary, rotary_ref
 from kernels.split_kv import choose_num_kv_splits
 
 __all__ = [
@@ -20,7 +20,6 @@ __all__ = [
     "FP8_MAX",
     "MAX_GEMV_ROWS",
     "apply_rotary",
-    "build_cos_sin_cache",
     "choose_num_kv_splits",
     "fused_add_rms_norm",
     "gemv",
@@ -32,7 +31,6 @@ __all__ = [
     "quantize_fp8_ref",
     "rms_norm",
     "rms_norm_ref",
-    "rope_inv_freq",
     "rotary_ref",
     "silu_and_mul",
     "silu_and_mul_ref",

@@ -29,20 +29,15 @@ from inference_service.attention.metadata import AttentionMetadata
 from inference_service.model.config import ModelConfig
 from inference_service.model.decoder import MLP, Attention, DecoderLayer, RMSNorm
 from inference_service.model.linear import Linear
-from inference_service.model.rope import compute_inv_freq
+from inference_service.model.rope import kernel_cos_sin_cache
 
 
 class TritonRotary:
-    """The [max_positions, head_dim] `[cos | sin] * attention_factor` table `kernels.apply_rotary` reads.
-
-    Built from our own `compute_inv_freq` (so every rope type and llama.cpp's frequency factors
-    apply as on the eager path), in fp32: the kernel rotates in fp32 and rounds once to q's dtype."""
+    """The [max_positions, head_dim] `[cos | sin] * attention_factor` table `kernels.apply_rotary` reads
+    (`rope.kernel_cos_sin_cache`: every rope type and llama.cpp's frequency factors, as on the eager path)."""
 
     def __init__(self, config: ModelConfig, device: torch.device | str):
-        inv_freq, attention_factor = compute_inv_freq(config)
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
-        freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2], the same products as RotaryEmbedding's
-        self.cos_sin_cache = (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor).to(device)  # [P, D]
+        self.cos_sin_cache = kernel_cos_sin_cache(config, device)  # [P, D] float32
 
     def apply_(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> None:
         """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (strided views allowed); positions [T]."""
