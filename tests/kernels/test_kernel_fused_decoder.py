@@ -1,4 +1,4 @@
-"""The decoder's fused Triton path (`fused_layers.py`) against its eager path, on the same weights.
+"""The decoder's fused Triton stack (`fused_stack.py`) against its eager stack, on the same weights.
 
 Runs compiled on a GPU, else in Triton's interpreter (conftest.py). One tiny fp32 model per family
 switch: Llama with llama3 rope scaling, Qwen3 (per-head q/k norm, tied embeddings) and Qwen2 (q/k/v
@@ -18,8 +18,11 @@ import pytest
 import torch
 
 from inference_service.model.config import ModelConfig
-from inference_service.model.decoder import DecoderLayer, DecoderModel
-from inference_service.model.fused_layers import FusedDecoderLayer
+from inference_service.model.decoder import DecoderModel
+from inference_service.model.eager_stack import EagerStack
+from inference_service.model.fused_stack import FusedStack, GemvLinear
+from inference_service.model.gguf_linear import GGUFLinear
+from inference_service.model.linear import LinearBase
 from tests.kernels.kernel_testlib import DEVICE, rel_err
 from tests.model.harness import build_metadata
 
@@ -52,7 +55,7 @@ def _build(config: ModelConfig, fused: bool, dtype: torch.dtype = torch.float32)
         for name, param in model.named_parameters():
             values = torch.randn(param.shape, generator=gen)
             param.copy_(1.0 + 0.2 * values if name.endswith("norm.weight") else 0.15 * values)
-    model._pack_linears()  # the CPU matmul layout, as after a real load
+    model.finish_loading()  # the CPU matmul layout, as after a real load
     return model
 
 
@@ -70,8 +73,9 @@ def test_fused_decoder_matches_eager(family, dtype):
     config = ModelConfig.from_hf_dict({**COMMON, **FAMILIES[family]})
     eager, fused = _build(config, fused=False, dtype=dtype), _build(config, fused=True, dtype=dtype)
     tol = 1e-5 if dtype == torch.float32 else 5e-2  # two bf16 paths, each rounding differently
-    assert all(type(layer) is DecoderLayer for layer in eager.model.layers)
-    assert all(isinstance(layer, FusedDecoderLayer) for layer in fused.model.layers)
+    assert type(eager.stack) is EagerStack and type(fused.stack) is FusedStack
+    linears = {m: {type(mod) for mod in m.modules() if isinstance(mod, LinearBase)} for m in (eager, fused)}
+    assert linears == {eager: {GGUFLinear}, fused: {GemvLinear}}
     caches = {m: [tuple(torch.zeros(m.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE), device=DEVICE, dtype=dtype)
                         for _ in range(2))
                   for _ in range(config.num_hidden_layers)] for m in (eager, fused)}
