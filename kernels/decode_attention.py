@@ -217,31 +217,10 @@ def paged_decode_attention(
         1 <= num_kv_splits <= MAX_KV_SPLITS and num_kv_splits & (num_kv_splits - 1) == 0,
         f"num_kv_splits {num_kv_splits} must be a power of two in [1, {MAX_KV_SPLITS}]",
     )
-
     group = num_q_heads // num_kv_heads
-    block_d = next_pow2(head_dim)
-    block_h = max(16, next_pow2(group))
     fp16_dots = k_cache.dtype == FP8_DTYPE and q.dtype != torch.float32
-    if is_interpreter():
-        block_n = block_n or 16
-    else:
-        fp32 = q.dtype == torch.float32
-        block_n = block_n or (32 if fp32 else 64)
-        num_warps = num_warps or (8 if fp32 else 4)  # NOTE: fp32 at 4 warps spills registers
-        # NOTE: the block-table load feeds the K/V addresses, so the pipeliner keeps one K/V tile
-        # in flight below 5 stages and two from 5. fp8 tiles are half the bytes and gain from the
-        # second (H100, 256 x 1,500: 311 us against 325); bf16 streams at the copy rate either way.
-        num_stages = num_stages or (5 if fp16_dots else 3)
-    launch_opts = {} if is_interpreter() else {"num_warps": num_warps, "num_stages": num_stages}
-
-    if num_kv_splits > 1:
-        # NOTE: NaN in the interpreter, so that a merge reading a split nobody wrote fails the tests.
-        make = torch.full if is_interpreter() else torch.empty
-        fill = (float("nan"),) if is_interpreter() else ()
-        part_o = make((num_seqs, num_q_heads, num_kv_splits, head_dim), *fill, dtype=torch.float32, device=q.device)
-        part_lse = make((num_seqs, num_q_heads, num_kv_splits), *fill, dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out  # unused
+    block_n, launch_opts = _decode_tiles(q.dtype, fp16_dots, block_n, num_warps, num_stages)
+    part_o, part_lse, part_strides = _split_buffers(out, num_kv_splits)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
         q,
         k_cache,
@@ -257,15 +236,11 @@ def paged_decode_attention(
         1.0,
         int(sliding_window or 0),
         *paged_kv_strides(q, k_cache, v_cache, block_tables, out),
-        part_o.stride(0) if num_kv_splits > 1 else 0,
-        part_o.stride(1) if num_kv_splits > 1 else 0,
-        part_o.stride(2) if num_kv_splits > 1 else 0,
-        part_lse.stride(0) if num_kv_splits > 1 else 0,
-        part_lse.stride(1) if num_kv_splits > 1 else 0,
+        *part_strides,
         group,
         HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_H=block_h,
+        BLOCK_D=next_pow2(head_dim),
+        BLOCK_H=max(16, next_pow2(group)),
         BLOCK_N=block_n,
         PAGE_SIZE=page_size,
         NUM_SPLITS=num_kv_splits,
@@ -280,4 +255,33 @@ def paged_decode_attention(
     if num_kv_splits > 1:
         merge_splits(part_o, part_lse, seq_lens, out, v_scale, sliding_window, block_n)
     return out
+
+
+def _decode_tiles(dtype: torch.dtype, fp16_dots: bool, block_n: int | None, num_warps: int | None,
+                  num_stages: int | None) -> tuple[int, dict]:
+    """(BLOCK_N, launch options) for q's dtype; the caller's overrides win."""
+    if is_interpreter():
+        return block_n or 16, {}
+    fp32 = dtype == torch.float32
+    block_n = block_n or (32 if fp32 else 64)
+    num_warps = num_warps or (8 if fp32 else 4)  # NOTE: fp32 at 4 warps spills registers
+    # NOTE: the block-table load feeds the K/V addresses, so the pipeliner keeps one K/V tile
+    # in flight below 5 stages and two from 5. fp8 tiles are half the bytes and gain from the
+    # second (H100, 256 x 1,500: 311 us against 325); bf16 streams at the copy rate either way.
+    num_stages = num_stages or (5 if fp16_dots else 3)
+    return block_n, {"num_warps": num_warps, "num_stages": num_stages}
+
+
+def _split_buffers(out: torch.Tensor, num_kv_splits: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """(part_o [S, Hq, splits, D], part_lse [S, Hq, splits], their five strides) float32 for a split
+    launch; with one split the kernel writes `out` directly and these are unused."""
+    if num_kv_splits == 1:
+        return out, out, (0,) * 5
+    num_seqs, num_q_heads, head_dim = out.shape
+    # NOTE: NaN in the interpreter, so that a merge reading a split nobody wrote fails the tests.
+    make = torch.full if is_interpreter() else torch.empty
+    fill = (float("nan"),) if is_interpreter() else ()
+    part_o = make((num_seqs, num_q_heads, num_kv_splits, head_dim), *fill, dtype=torch.float32, device=out.device)
+    part_lse = make((num_seqs, num_q_heads, num_kv_splits), *fill, dtype=torch.float32, device=out.device)
+    return part_o, part_lse, (*part_o.stride()[:3], *part_lse.stride()[:2])
 

@@ -71,8 +71,8 @@ class FusedStack:
                                  for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj))
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata) -> torch.Tensor:
         """hidden [T, H] embeddings -> the residual stream after the last layer [T, H]."""
         residual = None
         folds = self.can_fold_gemv and uses_gemv(hidden, self.dtype)

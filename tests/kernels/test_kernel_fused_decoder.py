@@ -10,6 +10,7 @@ fp32 rounding, and the greedy tokens must be equal.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,32 @@ def test_fused_decoder_matches_eager(family, dtype):
             assert logits[fused].argmax(-1).tolist() == greedy
         cached = [c + len(seq) for c, seq in zip(cached, tokens)]
         tokens = [[tok] for tok in greedy]
+
+
+def test_stacks_share_one_interface_and_results():
+    """The eager and fused stacks have one signature (`forward(hidden, positions, kv_caches, metadata)
+    -> hidden`, `final_norm(hidden)`) and, run over the very same parameter modules, give the same
+    residual stream and final-normed rows, step after step (a prefill, then a decode step)."""
+    for method in ("forward", "final_norm"):
+        assert inspect.signature(getattr(EagerStack, method)) == inspect.signature(getattr(FusedStack, method))
+    config = ModelConfig.from_hf_dict({**COMMON, **FAMILIES["qwen3"]})
+    model = _build(config, fused=False)
+    fused = FusedStack(config, model.model.layers, model.model.norm, model.attention_backend, torch.float32, DEVICE)
+    stacks = {"eager": model.stack, "fused": fused}
+    caches = {name: [tuple(torch.zeros(model.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE), device=DEVICE)
+                           for _ in range(2)) for _ in range(config.num_hidden_layers)] for name in stacks}
+    gen = torch.Generator().manual_seed(2)
+    cached, query_lens = [0, 0], PROMPT_LENS
+    for _ in range(2):
+        metadata = _to_device(build_metadata(cached, query_lens, BLOCK_TABLES, BLOCK_SIZE))
+        positions = torch.tensor([p for c, n in zip(cached, query_lens) for p in range(c, c + n)], device=DEVICE)
+        embeddings = torch.randn(sum(query_lens), config.hidden_size, generator=gen).to(DEVICE)  # [T, H]
+        stream = {name: stack.forward(embeddings.clone(), positions, caches[name], metadata)
+                  for name, stack in stacks.items()}
+        assert stream["fused"].shape == stream["eager"].shape == embeddings.shape
+        assert rel_err(stream["fused"], stream["eager"]) < 1e-5
+        assert rel_err(fused.final_norm(stream["fused"]), model.stack.final_norm(stream["eager"])) < 1e-5
+        cached, query_lens = [c + n for c, n in zip(cached, query_lens)], [1, 1]
 
 
 def test_cpu_decoder_does_not_import_triton():
