@@ -16,7 +16,7 @@ from inference_service.config import CacheConfig, EngineConfig, SchedulerConfig 
 from inference_service.engine.llm_engine import LLMEngine  # noqa: E402
 from inference_service.engine.sampling_params import SamplingParams  # noqa: E402
 from inference_service.metrics import EngineMetrics  # noqa: E402
-from inference_service.model.linear import Linear  # noqa: E402
+from inference_service.model.linear import LinearBase  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 # "cuda"; `--device cpu` in the scripts sets "cpu": a dry run that checks the scripts, not the GPU.
@@ -134,7 +134,7 @@ def weight_bytes_per_step(model) -> int:
     """Weights one decode step reads: every projection (lm_head included) and norm; embeddings: one row."""
     total = 0
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, LinearBase):
             total += module.in_features * module.out_features * model.dtype.itemsize
     for name, p in model.named_parameters():
         if "norm" in name or name.endswith(".bias"):

@@ -59,12 +59,7 @@ def teacher_forced_logits(model, token_ids: list[int], prompt_len: int, device) 
     ids = torch.tensor(token_ids, device=device)
     logits, start, end = [], 0, prompt_len
     while end <= total:
-        md = AttentionMetadata(
-            slot_mapping=(table[0].long().repeat_interleave(block_size) * block_size
-                          + torch.arange(block_size, device=device).repeat(num_blocks - 1))[start:end],
-            query_start_loc=torch.tensor([0, end - start], dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([end], dtype=torch.int32, device=device), block_tables=table,
-            max_query_len=end - start, max_seq_len=end, query_start_loc_cpu=[0, end - start], seq_lens_cpu=[end])
+        md = AttentionMetadata.for_sequences([start], [end - start], [table[0].tolist()], block_size, device)
         hidden = model(ids[start:end], torch.arange(start, end, device=device), caches, md)
         logits.append(model.compute_logits(hidden[-1:]))
         start, end = end, end + 1

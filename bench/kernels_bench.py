@@ -32,10 +32,10 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from kernels_report import markdown  # noqa: E402
+from inference_service.model.rope import build_cos_sin_cache  # noqa: E402
 from kernels import (  # noqa: E402
     FP8_DTYPE,
     apply_rotary,
-    build_cos_sin_cache,
     choose_num_kv_splits,
     fused_add_rms_norm,
     paged_decode_attention,

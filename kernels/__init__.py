@@ -15,7 +15,7 @@ from kernels.quant_gemm import quant_matmul
 from kernels.quant_layout import IntPackedWeight, dequantize_int, quant_matmul_ref
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_ref
-from kernels.rotary import apply_rotary, build_cos_sin_cache, rope_inv_freq, rotary_ref
+from kernels.rotary import apply_rotary, rotary_ref
 from kernels.split_kv import choose_num_kv_splits
 
 __all__ = [
@@ -25,7 +25,6 @@ __all__ = [
     "IntPackedWeight",
     "MAX_GEMV_ROWS",
     "apply_rotary",
-    "build_cos_sin_cache",
     "choose_num_kv_splits",
     "dequantize_int",
     "fp8_linear",
@@ -42,7 +41,6 @@ __all__ = [
     "quantize_fp8_ref",
     "rms_norm",
     "rms_norm_ref",
-    "rope_inv_freq",
     "rotary_ref",
     "silu_and_mul",
     "silu_and_mul_ref",

@@ -15,8 +15,6 @@ import triton.language as tl
 
 from kernels._common import (
     cast,
-    ACT_DTYPES,
-    CACHE_DTYPES,
     FP8_DTYPE,
     dot_precision,
     dot_upcast,
@@ -27,12 +25,9 @@ from kernels._common import (
     pdl_args,
     pdl_enter,
     require,
-    require_dtype,
-    require_inner_contiguous,
-    require_same_device,
-    require_shape,
 )
 
+from kernels.paged_kv import check_paged_kv, paged_kv_strides
 from kernels.split_kv import MAX_KV_SPLITS, choose_num_kv_splits, merge_splits, split_bounds
 
 _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -207,34 +202,10 @@ def paged_decode_attention(
     `max_seq_len`; without either the launcher reads `seq_lens.max()` (a device sync: pass one of
     them under CUDA-graph capture). `block_n`, `num_warps`, `num_stages` override the tile config.
     """
-    require(q.dim() == 3, f"q: expected [num_seqs, num_q_heads, head_dim], got {tuple(q.shape)}")
-    num_seqs, num_q_heads, head_dim = q.shape
-    require(k_cache.dim() == 4, f"k_cache: expected 4 dims, got {tuple(k_cache.shape)}")
-    num_blocks, page_size, num_kv_heads, _ = k_cache.shape
-    require_shape("k_cache", k_cache, (num_blocks, page_size, num_kv_heads, head_dim))
-    require_shape("v_cache", v_cache, tuple(k_cache.shape))
-    require(num_q_heads % num_kv_heads == 0, f"num_q_heads {num_q_heads} not a multiple of num_kv_heads {num_kv_heads}")
-    require(head_dim in (64, 80, 96, 128, 256) or is_interpreter(), f"head_dim {head_dim} unsupported")
-    require(block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, f"block_tables: shape {tuple(block_tables.shape)}")
-    require_shape("seq_lens", seq_lens, (num_seqs,))
-    require_dtype("q", q, ACT_DTYPES)
-    require_dtype("k_cache", k_cache, CACHE_DTYPES)
-    require(v_cache.dtype == k_cache.dtype, "v_cache and k_cache dtypes differ")
-    require(k_cache.dtype in (q.dtype, FP8_DTYPE), f"k_cache dtype {k_cache.dtype} must be q's ({q.dtype}) or fp8")
-    require_dtype("block_tables", block_tables, (torch.int32,))
-    require_dtype("seq_lens", seq_lens, (torch.int32,))
-    require(seq_lens.is_contiguous() and block_tables.stride(1) == 1, "seq_lens and block_tables rows must be contiguous")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        require_inner_contiguous(name, t)
-    require(sliding_window is None or sliding_window > 0, "sliding_window must be positive")
-    require(soft_cap is None or soft_cap > 0, "soft_cap must be positive")
-    if out is None:
-        out = torch.empty_like(q)
-    else:
-        require_shape("out", out, tuple(q.shape))
-        require(out.dtype in ACT_DTYPES, f"out: dtype {out.dtype}")
-        require_inner_contiguous("out", out)
-    require_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens, out=out)
+    shape = check_paged_kv(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_window=sliding_window,
+                           soft_cap=soft_cap, num_seqs=q.shape[0])
+    num_seqs, num_q_heads, num_kv_heads, head_dim = q.shape[0], shape.num_q_heads, shape.num_kv_heads, shape.head_dim
+    page_size, out = shape.page_size, shape.out
     if num_seqs == 0:
         return out
 
@@ -246,31 +217,10 @@ def paged_decode_attention(
         1 <= num_kv_splits <= MAX_KV_SPLITS and num_kv_splits & (num_kv_splits - 1) == 0,
         f"num_kv_splits {num_kv_splits} must be a power of two in [1, {MAX_KV_SPLITS}]",
     )
-
     group = num_q_heads // num_kv_heads
-    block_d = next_pow2(head_dim)
-    block_h = max(16, next_pow2(group))
     fp16_dots = k_cache.dtype == FP8_DTYPE and q.dtype != torch.float32
-    if is_interpreter():
-        block_n = block_n or 16
-    else:
-        fp32 = q.dtype == torch.float32
-        block_n = block_n or (32 if fp32 else 64)
-        num_warps = num_warps or (8 if fp32 else 4)  # NOTE: fp32 at 4 warps spills registers
-        # NOTE: the block-table load feeds the K/V addresses, so the pipeliner keeps one K/V tile
-        # in flight below 5 stages and two from 5. fp8 tiles are half the bytes and gain from the
-        # second (H100, 256 x 1,500: 311 us against 325); bf16 streams at the copy rate either way.
-        num_stages = num_stages or (5 if fp16_dots else 3)
-    launch_opts = {} if is_interpreter() else {"num_warps": num_warps, "num_stages": num_stages}
-
-    if num_kv_splits > 1:
-        # NOTE: NaN in the interpreter, so that a merge reading a split nobody wrote fails the tests.
-        make = torch.full if is_interpreter() else torch.empty
-        fill = (float("nan"),) if is_interpreter() else ()
-        part_o = make((num_seqs, num_q_heads, num_kv_splits, head_dim), *fill, dtype=torch.float32, device=q.device)
-        part_lse = make((num_seqs, num_q_heads, num_kv_splits), *fill, dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out  # unused
+    block_n, launch_opts = _decode_tiles(q.dtype, fp16_dots, block_n, num_warps, num_stages)
+    part_o, part_lse, part_strides = _split_buffers(out, num_kv_splits)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
         q,
         k_cache,
@@ -285,26 +235,12 @@ def paged_decode_attention(
         float(v_scale),
         1.0,
         int(sliding_window or 0),
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        part_o.stride(0) if num_kv_splits > 1 else 0,
-        part_o.stride(1) if num_kv_splits > 1 else 0,
-        part_o.stride(2) if num_kv_splits > 1 else 0,
-        part_lse.stride(0) if num_kv_splits > 1 else 0,
-        part_lse.stride(1) if num_kv_splits > 1 else 0,
+        *paged_kv_strides(q, k_cache, v_cache, block_tables, out),
+        *part_strides,
         group,
         HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_H=block_h,
+        BLOCK_D=next_pow2(head_dim),
+        BLOCK_H=max(16, next_pow2(group)),
         BLOCK_N=block_n,
         PAGE_SIZE=page_size,
         NUM_SPLITS=num_kv_splits,
@@ -319,4 +255,33 @@ def paged_decode_attention(
     if num_kv_splits > 1:
         merge_splits(part_o, part_lse, seq_lens, out, v_scale, sliding_window, block_n)
     return out
+
+
+def _decode_tiles(dtype: torch.dtype, fp16_dots: bool, block_n: int | None, num_warps: int | None,
+                  num_stages: int | None) -> tuple[int, dict]:
+    """(BLOCK_N, launch options) for q's dtype; the caller's overrides win."""
+    if is_interpreter():
+        return block_n or 16, {}
+    fp32 = dtype == torch.float32
+    block_n = block_n or (32 if fp32 else 64)
+    num_warps = num_warps or (8 if fp32 else 4)  # NOTE: fp32 at 4 warps spills registers
+    # NOTE: the block-table load feeds the K/V addresses, so the pipeliner keeps one K/V tile
+    # in flight below 5 stages and two from 5. fp8 tiles are half the bytes and gain from the
+    # second (H100, 256 x 1,500: 311 us against 325); bf16 streams at the copy rate either way.
+    num_stages = num_stages or (5 if fp16_dots else 3)
+    return block_n, {"num_warps": num_warps, "num_stages": num_stages}
+
+
+def _split_buffers(out: torch.Tensor, num_kv_splits: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """(part_o [S, Hq, splits, D], part_lse [S, Hq, splits], their five strides) float32 for a split
+    launch; with one split the kernel writes `out` directly and these are unused."""
+    if num_kv_splits == 1:
+        return out, out, (0,) * 5
+    num_seqs, num_q_heads, head_dim = out.shape
+    # NOTE: NaN in the interpreter, so that a merge reading a split nobody wrote fails the tests.
+    make = torch.full if is_interpreter() else torch.empty
+    fill = (float("nan"),) if is_interpreter() else ()
+    part_o = make((num_seqs, num_q_heads, num_kv_splits, head_dim), *fill, dtype=torch.float32, device=out.device)
+    part_lse = make((num_seqs, num_q_heads, num_kv_splits), *fill, dtype=torch.float32, device=out.device)
+    return part_o, part_lse, (*part_o.stride()[:3], *part_lse.stride()[:2])
 

@@ -21,8 +21,6 @@ import triton.language as tl
 
 from kernels._common import (
     cast,
-    ACT_DTYPES,
-    CACHE_DTYPES,
     FP8_DTYPE,
     dot_precision,
     dot_upcast,
@@ -31,13 +29,10 @@ from kernels._common import (
     mma,
     next_pow2,
     require,
-    require_dtype,
-    require_inner_contiguous,
-    require_same_device,
-    require_shape,
 )
 from kernels.attention_ref import attention_ref, gather_context_ref
 from kernels.decode_attention import _tanh
+from kernels.paged_kv import check_paged_kv, paged_kv_strides
 
 _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -244,39 +239,11 @@ def paged_prefill_attention(
     sizes the grid; `sliding_window`, `soft_cap`, `k_scale`, `v_scale` as in
     `paged_decode_attention`. Query rows past `query_start_loc[-1]` are not written.
     """
-    require(q.dim() == 3, f"q: expected [num_tokens, num_q_heads, head_dim], got {tuple(q.shape)}")
-    num_tokens, num_q_heads, head_dim = q.shape
-    require(k_cache.dim() == 4, f"k_cache: expected 4 dims, got {tuple(k_cache.shape)}")
-    num_blocks, page_size, num_kv_heads, _ = k_cache.shape
-    require_shape("k_cache", k_cache, (num_blocks, page_size, num_kv_heads, head_dim))
-    require_shape("v_cache", v_cache, tuple(k_cache.shape))
-    require(num_q_heads % num_kv_heads == 0, f"num_q_heads {num_q_heads} not a multiple of num_kv_heads {num_kv_heads}")
-    require(head_dim in (64, 80, 96, 128, 256) or is_interpreter(), f"head_dim {head_dim} unsupported")
-    num_seqs = seq_lens.shape[0]
-    require_shape("seq_lens", seq_lens, (num_seqs,))
-    require_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
-    require(block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, f"block_tables: shape {tuple(block_tables.shape)}")
-    require_dtype("q", q, ACT_DTYPES)
-    require_dtype("k_cache", k_cache, CACHE_DTYPES)
-    require(v_cache.dtype == k_cache.dtype, "v_cache and k_cache dtypes differ")
-    require(k_cache.dtype in (q.dtype, FP8_DTYPE), f"k_cache dtype {k_cache.dtype} must be q's ({q.dtype}) or fp8")
-    for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
-        require_dtype(name, t, (torch.int32,))
-    require(seq_lens.is_contiguous() and query_start_loc.is_contiguous() and block_tables.stride(1) == 1,
-            "seq_lens, query_start_loc and block_tables rows must be contiguous")  # fmt: skip
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        require_inner_contiguous(name, t)
-    require(sliding_window is None or sliding_window > 0, "sliding_window must be positive")
-    require(soft_cap is None or soft_cap > 0, "soft_cap must be positive")
+    shape = check_paged_kv(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_window=sliding_window,
+                           soft_cap=soft_cap, query_start_loc=query_start_loc)
     require(max_query_len >= 0, "max_query_len must be >= 0")
-    if out is None:
-        out = torch.empty_like(q)
-    else:
-        require_shape("out", out, tuple(q.shape))
-        require(out.dtype in ACT_DTYPES, f"out: dtype {out.dtype}")
-        require_inner_contiguous("out", out)
-    require_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
-                        query_start_loc=query_start_loc, out=out)  # fmt: skip
+    num_seqs, num_q_heads, num_kv_heads, head_dim = seq_lens.shape[0], shape.num_q_heads, shape.num_kv_heads, shape.head_dim
+    page_size, out = shape.page_size, shape.out
     if num_seqs == 0 or max_query_len == 0:
         return out
 
@@ -309,17 +276,7 @@ def paged_prefill_attention(
         float(v_scale),
         1.0,
         int(sliding_window or 0),
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *paged_kv_strides(q, k_cache, v_cache, block_tables, out),
         num_q_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,

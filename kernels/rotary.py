@@ -7,12 +7,12 @@ y' = x2 * cos + x1 * sin::
     neox:  (x[i], x[i + r/2])     first half against second half
     gpt-j: (x[2i], x[2i + 1])     interleaved
 
-Dimensions past rotary_dim are left as they are.
+Dimensions past rotary_dim are left as they are. The tables themselves (every rope type's
+frequencies) are built by `inference_service.model.rope` (`build_cos_sin_cache`, `kernel_cos_sin_cache`):
+this file only applies them.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -174,84 +174,3 @@ def rotary_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Te
         rot[..., 0::2] = x1 * cos - x2 * sin
         rot[..., 1::2] = x2 * cos + x1 * sin
     return out
-
-
-# --- the cos/sin cache -----------------------------------------------------------------------
-
-
-def rope_inv_freq(
-    rotary_dim: int,
-    base: float,
-    rope_scaling: dict | None = None,
-    max_position_embeddings: int | None = None,
-) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [rotary_dim / 2] (fp32, on the CPU) and the cos/sin attention factor.
-
-    `rope_scaling` is a Hugging Face style dict whose `rope_type` (or legacy `type`) is one of
-    default, linear, llama3, yarn; None means default."""
-    kind = "default" if not rope_scaling else rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim))
-    if kind == "default":
-        return inv_freq, 1.0
-    factor = rope_scaling.get("factor")
-    if kind == "linear":
-        return inv_freq / factor, 1.0
-    if kind == "llama3":
-        old_len = rope_scaling["original_max_position_embeddings"]
-        low, high = rope_scaling["low_freq_factor"], rope_scaling["high_freq_factor"]
-        wavelen = 2 * math.pi / inv_freq
-        # long wavelengths are interpolated by `factor`, short ones kept, the band between blended
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(in_band, blended, scaled), 1.0
-    if kind == "yarn":
-        orig = rope_scaling.get("original_max_position_embeddings") or max_position_embeddings
-        require(orig is not None, "yarn needs original_max_position_embeddings or max_position_embeddings")
-        if factor is None:
-            require(max_position_embeddings is not None, "yarn without factor needs max_position_embeddings")
-            factor = max_position_embeddings / orig
-
-        def mscale(scale: float, m: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-        attention_factor = rope_scaling.get("attention_factor")
-        if attention_factor is None:
-            m, m_all = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
-            attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-        beta_fast = rope_scaling.get("beta_fast") or 32
-        beta_slow = rope_scaling.get("beta_slow") or 1
-
-        def dim_for_rotations(rotations: float) -> float:
-            return rotary_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        lo, hi = dim_for_rotations(beta_fast), dim_for_rotations(beta_slow)
-        if rope_scaling.get("truncate", True):
-            lo, hi = math.floor(lo), math.ceil(hi)
-        lo, hi = max(lo, 0), min(hi, rotary_dim - 1)
-        if lo == hi:
-            hi += 0.001
-        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
-        extrapolate = 1 - ramp  # 1: keep the original frequency, 0: interpolate by factor
-        inv_freq = (inv_freq / factor) * (1 - extrapolate) + inv_freq * extrapolate
-        return inv_freq, float(attention_factor)
-    raise ValueError(f"unsupported rope_type {kind!r} (default, linear, llama3, yarn)")
-
-
-def build_cos_sin_cache(
-    rotary_dim: int,
-    max_position: int,
-    base: float,
-    rope_scaling: dict | None = None,
-    *,
-    max_position_embeddings: int | None = None,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """The [max_position, rotary_dim] table `apply_rotary` reads: [cos | sin] * attention factor,
-    computed in fp32 like Hugging Face's rotary embedding."""
-    inv_freq, attention_factor = rope_inv_freq(rotary_dim, base, rope_scaling, max_position_embeddings)
-    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor
-    return cache.to(dtype=dtype, device=device)

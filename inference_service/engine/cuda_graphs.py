@@ -79,13 +79,7 @@ def _padding_metadata(inputs: StepInputs, size: int, max_seq_len: int) -> Attent
     inputs.query_start_loc.device[:size + 1].copy_(torch.arange(size + 1, dtype=torch.int32))
     inputs.input_ids.device[:size].zero_()
     inputs.positions.device[:size].zero_()
-    return AttentionMetadata(
-        slot_mapping=inputs.slot_mapping.device[:size],
-        query_start_loc=inputs.query_start_loc.device[:size + 1],
-        seq_lens=inputs.seq_lens.device[:size],
-        block_tables=inputs.block_tables.device[:size],
-        max_query_len=1,
-        max_seq_len=max_seq_len,
-        query_start_loc_cpu=list(range(size + 1)),
-        seq_lens_cpu=[max_seq_len] * size,
-    )
+    return AttentionMetadata.for_decode_capture(
+        slot_mapping=inputs.slot_mapping.device[:size], query_start_loc=inputs.query_start_loc.device[:size + 1],
+        seq_lens=inputs.seq_lens.device[:size], block_tables=inputs.block_tables.device[:size],
+        max_seq_len=max_seq_len)

@@ -52,25 +52,11 @@ class EmbeddingModel:
     def _decoder_metadata(self, lens: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
         """A fresh prefill of every sequence into consecutive scratch blocks (no cached prefix)."""
         bs, dev = self.block_size, self.device
-        blocks_per_seq = [-(-n // bs) for n in lens]
-        max_blocks = max(blocks_per_seq)
-        block_tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
-        positions, slots, first_block, cu = [], [], 0, [0]
-        for i, (n, num_blocks) in enumerate(zip(lens, blocks_per_seq)):
-            block_tables[i, :num_blocks] = torch.arange(first_block, first_block + num_blocks)
-            pos = torch.arange(n)
-            positions.append(pos)
-            slots.append(first_block * bs + pos)  # the sequence's blocks are consecutive
+        tables, first_block = [], 0
+        for n in lens:  # each sequence's blocks consecutive, after the previous sequence's
+            num_blocks = -(-n // bs)
+            tables.append(list(range(first_block, first_block + num_blocks)))
             first_block += num_blocks
-            cu.append(cu[-1] + n)
-        metadata = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(dev),
-            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev),
-            max_query_len=max(lens),
-            max_seq_len=max(lens),
-            query_start_loc_cpu=cu,
-            seq_lens_cpu=list(lens),
-        )
-        return torch.cat(positions).to(dev), metadata
+        metadata = AttentionMetadata.for_sequences([0] * len(lens), lens, tables, bs, dev)
+        positions = torch.cat([torch.arange(n) for n in lens])
+        return positions.to(dev), metadata

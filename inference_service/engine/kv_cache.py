@@ -97,33 +97,25 @@ def profile_activation_bytes(model: torch.nn.Module, spec: KVCacheSpec, max_num_
     num_seqs = -(-max_num_tokens // seq_len)
     query_lens = [seq_len] * (num_seqs - 1) + [max_num_tokens - seq_len * (num_seqs - 1)]
 
-    def peak_of(lens: list[int], decode: bool) -> int:
+    def peak_of(lens: list[int]) -> int:
+        """Fresh sequences of `lens` tokens each (a decode step: one token each)."""
         num_tokens = sum(lens)
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
-        seq_lens = [1 if decode else n for n in lens]
-        width = -(-max(seq_lens) // spec.block_size)
-        metadata = AttentionMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.zeros((len(lens), width), dtype=torch.int32, device=device),
-            max_query_len=max(lens), max_seq_len=max(seq_lens), query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
-        )
+        width = -(-max(lens) // spec.block_size)
+        metadata = AttentionMetadata.for_sequences([0] * len(lens), lens, [[0] * width] * len(lens), spec.block_size,
+                                                   device, write_kv=False)
         positions = torch.cat([torch.arange(n, device=device) for n in lens])
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         hidden = model(input_ids, positions, caches, metadata)
-        last_rows = torch.tensor(starts[1:], device=device) - 1
+        last_rows = torch.tensor(metadata.query_start_loc_cpu[1:], device=device) - 1
         model.compute_logits(hidden[last_rows])
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base
 
-    prefill = peak_of(query_lens, decode=False)
-    decode = peak_of([1] * max_graph_batch, decode=True) if max_graph_batch else 0
+    prefill = peak_of(query_lens)
+    decode = peak_of([1] * max_graph_batch) if max_graph_batch else 0
     logits = max_graph_batch * model.config.vocab_size * 4
     del one_block, caches
     torch.cuda.empty_cache()

@@ -95,12 +95,9 @@ class StepInputs:
         pending_rows, pending_sources = self.pending_rows.np, self.pending_sources.np
         row_keys, row_num_blocks = self._row_keys, self._row_num_blocks
         lo = max_query_len = max_num_blocks = num_pending = 0
-        num_decode_seqs = None  # the leading one-token rows end at the first longer query
         for i, s in enumerate(scheduled):
             seq, start, n = s.seq, s.start, s.num_new_tokens
             end = start + n
-            if n != 1 and num_decode_seqs is None:
-                num_decode_seqs = i
             block_table = seq.block_table
             num_blocks = len(block_table)
             key = (seq.seq_id, seq.num_preemptions)
@@ -141,17 +138,13 @@ class StepInputs:
         if num_pending:
             rows, sources = self.pending_rows.upload(num_pending), self.pending_sources.upload(num_pending)
             device_input_ids.index_copy_(0, rows, pending.token_ids.index_select(0, sources))
-        seq_lens_cpu = seq_lens[:num_seqs].tolist()
-        metadata = AttentionMetadata(
+        metadata = AttentionMetadata.from_step(
             slot_mapping=self.slot_mapping.upload(num_tokens),
             query_start_loc=self.query_start_loc.upload(num_seqs + 1),
             seq_lens=self.seq_lens.upload(num_seqs),
             block_tables=self._upload_block_tables(num_seqs, max_num_blocks),
-            max_query_len=max_query_len,
-            max_seq_len=max(seq_lens_cpu),  # padding rows are 0
             query_start_loc_cpu=query_start_loc[:num_seqs + 1].tolist(),
-            seq_lens_cpu=seq_lens_cpu,
-            num_decode_seqs=num_seqs if num_decode_seqs is None else num_decode_seqs,  # padding rows included
+            seq_lens_cpu=seq_lens[:num_seqs].tolist(),  # padding rows are 0
         )
         device_positions = self.positions.upload(num_tokens)
         if self.input_ids.is_copied:

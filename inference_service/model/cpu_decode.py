@@ -14,13 +14,13 @@ import torch
 
 from inference_service.attention.metadata import AttentionMetadata
 from inference_service.cpu_kernels.quant import load_extension
-from inference_service.model.linear import MAX_QUANTIZED_MATMUL_ROWS, Linear
+from inference_service.model.gguf_linear import MAX_QUANTIZED_MATMUL_ROWS, GGUFLinear
 from inference_service.model.norms import RMSNorm
 
 
-def _parts(linear: Linear) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]] | None:
+def _parts(linear: GGUFLinear) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]] | None:
     """The projection's GGUF row blocks as the C++ layer takes them; None if any of it is dense."""
-    if not linear.quantized or sum(w.shape[0] for _, w in linear.quantized) != linear.out_features:
+    if not getattr(linear, "quantized", None) or sum(w.shape[0] for _, w in linear.quantized) != linear.out_features:
         return None
     return [(w.qs, w.scales, w.mins, int(w.qtype), first) for first, w in linear.quantized]
 
@@ -39,7 +39,7 @@ class CpuDecodeLayers:
         ext = load_extension() if model.device.type == "cpu" and model.dtype == torch.float32 else None
         if (ext is None or getattr(model, "fused_kernels", False) or spec.qk_norm or spec.post_norms
                 or spec.attn_soft_cap is not None or config.rotary_dim != config.head_dim
-                or model.local_rotary is not model.rotary or model.rotary.long_tables is not None
+                or model.stack.local_rotary is not model.stack.rotary or model.stack.rotary.long_tables is not None
                 or config.hidden_act not in ("silu", "gelu_pytorch_tanh")):
             return None
         layers = []
@@ -55,7 +55,7 @@ class CpuDecodeLayers:
                 qkv, attn.qkv_proj.bias, o, attn.o_proj.bias, gate_up, down,
                 norms[0].scale.contiguous(), norms[1].scale.contiguous(), config.rms_norm_eps,
                 attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size, attn.scale, mlp.is_gelu))
-        return cls(layers, model.rotary)
+        return cls(layers, model.stack.rotary)
 
     @staticmethod
     def takes(num_tokens: int, metadata: AttentionMetadata) -> bool:

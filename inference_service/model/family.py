@@ -70,7 +70,7 @@ class FamilySpec:
         return cls(**common, o_bias=config.attention_bias and family == "llama")
 
     def fused_path_gaps(self, config: ModelConfig) -> list[str]:
-        """The features of this model the fused GPU layers (`fused_layers.py`) do not implement yet."""
+        """The features of this model the fused GPU stack (`fused_stack.py`) do not implement yet."""
         gaps = []
         if self.norm_kind != "rms":
             gaps.append("LayerNorm")

@@ -1,14 +1,28 @@
-"""`Linear`: y = x W^T + b with Hugging Face's [out, in] weight, packed for oneDNN on CPU, or kept in
-GGUF blocks.
+"""The Linear interface every projection implements, and its dense variant.
 
-Decode on CPU is bound by how fast the weights stream through the matmul. MKL's sgemm on the
-row-major [out, in] weight reaches about half the machine's read bandwidth at batch 1; oneDNN with the
-weight re-laid out once ("packed") for its blocked kernels reaches nearly all of it, and is also faster
-at batch 4-16. So after loading, CPU weights are packed and the plain copy is released.
+`LinearBase` is the seam the model's projections share: y = x W^T + b with Hugging Face's [out, in]
+weight. A variant decides how W is stored and multiplied:
 
-Quantized rows (`load_quantized_rows`, from a GGUF's Q4_0 / Q4_1 / Q8_0 tensors) are read in their
-blocks by the C++ kernels instead, a fifth to a quarter of the bytes of float32; a step of many rows
-(prefill) expands them and runs one BLAS matmul, which costs less than dequantizing per row there.
+    DenseLinear   model dtype; on the CPU re-laid out once for oneDNN ("packed", below)
+    GGUFLinear    rows given in GGUF Q4_0 / Q4_1 / Q8_0 blocks run in them (C++ kernels, CPU; gguf_linear.py)
+    GemvLinear    dense, a few bf16/fp16 rows through `kernels.gemv` (the fused GPU path; fused_stack.py)
+
+How a new variant (a GPU quantized format, a tensor-parallel shard) plugs in:
+
+  * subclass `LinearBase` and implement `load_rows`, `forward`, `num_weight_bytes`, and
+    `finish_loading` if the loaded rows need converting (repacking, merging parts);
+  * `load_rows(first_row, weight)` gets the rows [first_row, first_row + rows) of W as the checkpoint
+    reader produced them: a tensor, or a format object (like `QuantizedWeight`) the variant knows;
+    `output_partitions` says which rows belong together (q, k, v of `qkv_proj`; gate, up of
+    `gate_up_proj`), so a sharded variant can take its slice of each partition;
+  * biases come through `load_bias_rows` into the `bias` parameter (override to shard them);
+  * pass the class to `DecoderModel(linear_cls=...)`: it is called as
+    `cls(in_features, out_features, bias, dtype, device, output_partitions=...)` for every projection.
+
+Why pack on the CPU: decode there is bound by how fast the weights stream through the matmul. MKL's
+sgemm on the row-major [out, in] weight reaches about half the machine's read bandwidth at batch 1;
+oneDNN with the weight re-laid out for its blocked kernels reaches nearly all of it, and is also
+faster at batch 4-16. So after loading, CPU weights are packed and the plain copy is released.
 """
 
 from __future__ import annotations
@@ -17,13 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference_service.cpu_kernels.quant import QuantizedWeight, dequantize_rows, quant_matmul
+from inference_service.cpu_kernels.quant import QuantizedWeight, dequantize_rows
+from inference_service.errors import UnsupportedModelError
 
 # Packing is tuned for a batch of this many rows; other batch sizes still run, a little slower.
 _PACK_BATCH_HINT = 16
-# Above this many input rows a quantized layer expands its weight and runs one dense matmul: about where
-# the two cost the same for the embedded model on a 2-core CPU (bench/results/cpu-2026-11-25/README.md).
-MAX_QUANTIZED_MATMUL_ROWS = 48
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -35,87 +47,97 @@ def can_pack(weight: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-class Linear(nn.Module):
-    """A bias-optional linear layer whose `weight` [out, in] is loaded by name, then `pack()`ed."""
+class LinearBase(nn.Module):
+    """A projection x [N, in_features] -> [N, out_features], loaded by rows (see the module docstring).
+
+    `output_partitions`: the row counts of the parts a checkpoint may store as separate tensors, in
+    order (their sum is `out_features`); one part for a plain projection."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, output_partitions: tuple[int, ...] | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
-                                   requires_grad=False)
+        self.output_partitions = tuple(output_partitions or (out_features,))
+        if sum(self.output_partitions) != out_features:
+            raise ValueError(f"output_partitions {self.output_partitions} do not add up to {out_features} rows")
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
+
+    def partition_rows(self, index: int | None) -> tuple[int, int]:
+        """(first row, number of rows) of partition `index`; None: every row."""
+        if index is None:
+            return 0, self.out_features
+        return sum(self.output_partitions[:index]), self.output_partitions[index]
+
+    def load_rows(self, first_row: int, weight: torch.Tensor | QuantizedWeight) -> None:
+        """Rows [first_row, first_row + rows) of W [out, in]."""
+        raise NotImplementedError
+
+    def load_bias_rows(self, first_row: int, bias: torch.Tensor) -> None:
+        """Entries [first_row, first_row + rows) of the bias."""
+        with torch.no_grad():
+            self.bias[first_row:first_row + bias.shape[0]].copy_(bias)
+
+    def tie_weight(self, weight: nn.Parameter) -> None:
+        """Use the embedding's [vocab, H] parameter as W (a tied lm_head)."""
+        raise UnsupportedModelError(f"{type(self).__name__} cannot share the embedding's weight")
+
+    def finish_loading(self) -> None:
+        """Called once every row is loaded: convert them to the layout `forward` reads."""
+
+    def num_weight_bytes(self) -> int:
+        """Bytes a forward reads: W in whatever form it is kept, and the bias."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in_features] -> [N, out_features]."""
+        raise NotImplementedError
+
+
+class DenseLinear(LinearBase):
+    """W as a parameter `weight` [out, in] in the model dtype; packed for oneDNN on the CPU once loaded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str, output_partitions: tuple[int, ...] | None = None):
+        super().__init__(in_features, out_features, bias, dtype, device, output_partitions)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
+                                   requires_grad=False)
         self._packed: torch.Tensor | None = None  # oneDNN blocked copy of `weight`
-        # Quantized row ranges as (first row, weight), sorted; set by `load_quantized_rows`.
-        self.quantized: list[tuple[int, QuantizedWeight]] = []
+        # Whether `finish_loading` keeps the plain weight beside the packed one (a tied lm_head: the
+        # embedding's lookups still read it).
+        self.keeps_weight = False
 
-    def load_quantized_rows(self, first_row: int, weight: QuantizedWeight) -> None:
-        """Rows [first_row, first_row + rows) of the weight, kept in their blocks."""
-        if weight.shape[1] != self.in_features or not 0 <= first_row <= self.out_features - weight.shape[0]:
-            raise ValueError(f"quantized rows {weight.shape} at {first_row} do not fit [{self.out_features}, "
+    def load_rows(self, first_row: int, weight: torch.Tensor | QuantizedWeight) -> None:
+        rows = weight.shape[0]
+        if weight.shape[1] != self.in_features or not 0 <= first_row <= self.out_features - rows:
+            raise ValueError(f"rows {tuple(weight.shape)} at {first_row} do not fit [{self.out_features}, "
                              f"{self.in_features}]")
-        self.quantized = sorted([*self.quantized, (first_row, weight)], key=lambda part: part[0])
+        if isinstance(weight, QuantizedWeight):
+            weight = dequantize_rows(weight)
+        with torch.no_grad():
+            self.weight[first_row:first_row + rows].copy_(weight)
 
-    @property
-    def num_packed_bytes(self) -> int:
-        """Bytes of the weight held outside its parameters: oneDNN-packed or in quantized blocks."""
-        packed = 0 if self._packed is None else self._packed.numel() * self._packed.element_size()
-        return packed + sum(weight.nbytes for _, weight in self.quantized)
+    def tie_weight(self, weight: nn.Parameter) -> None:
+        self.weight = weight
+        self.keeps_weight = True
 
-    def pack(self, release_weight: bool = True) -> None:
-        """Re-lay the weight out for oneDNN, or finish a quantized one (CPU only; elsewhere a no-op).
-        With `release_weight`, the plain weight's storage is freed: the layer can no longer be re-loaded."""
-        if self.quantized:
-            self._finish_quantized(release_weight)
-            return
+    def finish_loading(self) -> None:
+        """Re-lay the weight out for oneDNN (CPU only; elsewhere nothing to do). Unless `keeps_weight`,
+        the plain weight's storage is freed: the layer can no longer be re-loaded."""
         if self._packed is not None or not can_pack(self.weight):
             return
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_BATCH_HINT)
-        if release_weight:
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+        if not self.keeps_weight:
+            self.release_weight()
 
-    def _finish_quantized(self, release_weight: bool) -> None:
-        num_quantized = sum(weight.shape[0] for _, weight in self.quantized)
-        if num_quantized != self.out_features:
-            # Part of the rows came dense (a type the kernels do not run): expand the rest beside them.
-            with torch.no_grad():
-                for first, weight in self.quantized:
-                    self.weight[first:first + weight.shape[0]].copy_(dequantize_rows(weight))
-            self.quantized = []
-            self.pack(release_weight)
-            return
-        # Stack neighbouring parts of one type (q, k, v -> qkv) so a step makes one call for them.
-        merged = [self.quantized[0]]
-        for first, weight in self.quantized[1:]:
-            if weight.qtype is merged[-1][1].qtype:
-                merged[-1] = (merged[-1][0], QuantizedWeight.concat([merged[-1][1], weight]))
-            else:
-                merged.append((first, weight))
-        self.quantized = merged
-        if release_weight:
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+    def release_weight(self) -> None:
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+
+    def num_weight_bytes(self) -> int:
+        packed = 0 if self._packed is None else self._packed.numel() * self._packed.element_size()
+        return packed + sum(p.numel() * p.element_size() for p in self.parameters())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, in] -> [N, out]."""
-        if self.quantized:
-            return self._quantized_forward(x)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
-
-    def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        if x.shape[0] > MAX_QUANTIZED_MATMUL_ROWS:
-            parts = [dequantize_rows(part) for _, part in self.quantized]
-            weight = parts[0] if len(parts) == 1 else torch.cat(parts)  # [out, in]
-            return F.linear(x, weight, self.bias)
-        if len(self.quantized) == 1:  # the usual case, kept short: a decode step makes ~150 of these calls
-            out = quant_matmul(x, self.quantized[0][1])  # [N, out]
-        else:
-            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)  # [N, out]
-            for first, weight in self.quantized:
-                quant_matmul(x, weight, out[:, first:first + weight.shape[0]])
-        if self.bias is not None:
-            out += self.bias
-        return out

@@ -1,7 +1,11 @@
-"""Rotary position embeddings: inverse frequencies per rope type, and a cos/sin cache.
+"""Rotary position embeddings: inverse frequencies per rope type, and the cos/sin tables built from them.
 
-The frequencies follow Hugging Face's `ROPE_INIT_FUNCTIONS` op for op in float32, so cos/sin are
-bit-identical to transformers' and greedy decoding can be compared token for token.
+The one place the rope math lives: default, linear, llama3, yarn and longrope frequencies (with
+llama.cpp's per-frequency factors) follow Hugging Face's `ROPE_INIT_FUNCTIONS` op for op in float32,
+so cos/sin are bit-identical to transformers' and greedy decoding can be compared token for token.
+Two table layouts are built from them: `RotaryEmbedding` (the eager path: cos and signed sin, applied
+in torch or the C++ kernel) and `build_cos_sin_cache` / `kernel_cos_sin_cache` (the `[cos | sin]`
+rows `kernels.apply_rotary` reads on the fused path).
 """
 
 from __future__ import annotations
@@ -11,7 +15,6 @@ import math
 import torch
 
 from inference_service.cpu_kernels.quant import cpu_ops_for
-
 from inference_service.errors import UnsupportedModelError
 from inference_service.model.config import ModelConfig
 
@@ -38,10 +41,15 @@ def _llama3_inv_freq(base: float, dim: int, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn_inv_freq(base: float, dim: int, scaling: dict, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
-    original = scaling["original_max_position_embeddings"]
+def _yarn_inv_freq(base: float, dim: int, scaling: dict, max_position_embeddings: int | None
+                   ) -> tuple[torch.Tensor, float]:
+    original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+    if original is None:
+        raise UnsupportedModelError("yarn rope scaling needs original_max_position_embeddings or max_position_embeddings")
     factor = scaling.get("factor")
     if factor is None:
+        if max_position_embeddings is None:
+            raise UnsupportedModelError("yarn rope scaling without a factor needs max_position_embeddings")
         factor = max_position_embeddings / original
 
     def get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -91,28 +99,61 @@ def _longrope_inv_freq(base: float, dim: int, scaling: dict, max_position_embedd
     return 1.0 / (ext_factors * base ** inv_freq_shape), float(attention_factor)
 
 
-def compute_inv_freq(config: ModelConfig, long: bool = False) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [rotary_dim // 2] float32, attention scaling applied to cos/sin).
+def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None = None,
+                  max_position_embeddings: int | None = None, *, long: bool = False) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rotary_dim // 2] float32, attention scaling applied to cos/sin) for a
+    rope type given as Hugging Face's `rope_scaling` dict (None: default).
 
-    `long`: LongRoPE's long-context factors instead of its short ones (other types have one set)."""
-    base, dim, scaling = config.rope_theta, config.rotary_dim, config.rope_scaling
-    rope_type = scaling["rope_type"] if scaling else "default"
+    `long`: LongRoPE's long-context factors instead of its short ones (other types have one set).
+    An unknown type raises `UnsupportedModelError` naming its `rope_type`."""
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default")) if rope_scaling else "default"
     if rope_type == "longrope":
-        return _longrope_inv_freq(base, dim, scaling, config.max_position_embeddings, long)
+        return _longrope_inv_freq(base, rotary_dim, rope_scaling, max_position_embeddings, long)
     if rope_type == "default":
-        inv_freq, attention_factor = _default_inv_freq(base, dim), 1.0
-    elif rope_type == "linear":
-        inv_freq, attention_factor = _default_inv_freq(base, dim) / scaling["factor"], 1.0
-    elif rope_type == "llama3":
-        inv_freq, attention_factor = _llama3_inv_freq(base, dim, scaling), 1.0
-    elif rope_type == "yarn":
-        inv_freq, attention_factor = _yarn_inv_freq(base, dim, scaling, config.max_position_embeddings)
-    else:
-        raise UnsupportedModelError(f"unsupported rope type {rope_type!r}")
+        return _default_inv_freq(base, rotary_dim), 1.0
+    if rope_type == "linear":
+        return _default_inv_freq(base, rotary_dim) / rope_scaling["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(base, rotary_dim, rope_scaling), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(base, rotary_dim, rope_scaling, max_position_embeddings)
+    raise UnsupportedModelError(f"unsupported rope_type {rope_type!r} (default, linear, llama3, yarn, longrope)")
+
+
+def compute_inv_freq(config: ModelConfig, long: bool = False) -> tuple[torch.Tensor, float]:
+    """`rope_inv_freq` for a model, with llama.cpp's `rope_freqs.weight` applied: per-frequency
+    divisors (how a GGUF stores llama3 scaling)."""
+    inv_freq, attention_factor = rope_inv_freq(config.rotary_dim, config.rope_theta, config.rope_scaling,
+                                               config.max_position_embeddings, long=long)
     if config.rope_freq_factors is not None:
-        # llama.cpp's `rope_freqs.weight`: per-frequency divisors (how it stores llama3 scaling).
         inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
     return inv_freq, attention_factor
+
+
+def cos_sin_rows(inv_freq: torch.Tensor, attention_factor: float, max_position: int) -> torch.Tensor:
+    """[max_position, rotary_dim] float32 rows `[cos(p f) | sin(p f)] * attention_factor`: the layout
+    `kernels.apply_rotary` reads."""
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # [P, R/2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor
+
+
+def build_cos_sin_cache(rotary_dim: int, max_position: int, base: float, rope_scaling: dict | None = None, *,
+                        max_position_embeddings: int | None = None, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str | None = None) -> torch.Tensor:
+    """The [max_position, rotary_dim] table `kernels.apply_rotary` reads, for a rope type given as HF's
+    `rope_scaling`. LongRoPE picks one of two tables per sequence, which one table cannot express:
+    refused (`UnsupportedModelError`, a ValueError, naming its rope_type)."""
+    if rope_scaling and rope_scaling.get("rope_type") == "longrope":
+        raise UnsupportedModelError("rope_type 'longrope' needs two tables; the kernel cache holds one")
+    inv_freq, attention_factor = rope_inv_freq(rotary_dim, base, rope_scaling, max_position_embeddings)
+    return cos_sin_rows(inv_freq, attention_factor, max_position).to(dtype=dtype, device=device)
+
+
+def kernel_cos_sin_cache(config: ModelConfig, device: torch.device | str) -> torch.Tensor:
+    """A model's [max_position_embeddings, rotary_dim] float32 table for `kernels.apply_rotary` (the
+    kernel rotates in fp32 and rounds once to q's dtype); every rope type and llama.cpp's frequency
+    factors apply as on the eager path."""
+    return cos_sin_rows(*compute_inv_freq(config), config.max_position_embeddings).to(device)
 
 
 class RotaryEmbedding:

@@ -1,4 +1,4 @@
-"""The decoder's fused Triton path (`fused_layers.py`) against its eager path, on the same weights.
+"""The decoder's fused Triton stack (`fused_stack.py`) against its eager stack, on the same weights.
 
 Runs compiled on a GPU, else in Triton's interpreter (conftest.py). One tiny fp32 model per family
 switch: Llama with llama3 rope scaling, Qwen3 (per-head q/k norm, tied embeddings) and Qwen2 (q/k/v
@@ -10,6 +10,7 @@ fp32 rounding, and the greedy tokens must be equal.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +19,11 @@ import pytest
 import torch
 
 from inference_service.model.config import ModelConfig
-from inference_service.model.decoder import DecoderLayer, DecoderModel
-from inference_service.model.fused_layers import FusedDecoderLayer
+from inference_service.model.decoder import DecoderModel
+from inference_service.model.eager_stack import EagerStack
+from inference_service.model.fused_stack import FusedStack, GemvLinear
+from inference_service.model.gguf_linear import GGUFLinear
+from inference_service.model.linear import LinearBase
 from tests.kernels.kernel_testlib import DEVICE, rel_err
 from tests.model.harness import build_metadata
 
@@ -52,7 +56,7 @@ def _build(config: ModelConfig, fused: bool, dtype: torch.dtype = torch.float32)
         for name, param in model.named_parameters():
             values = torch.randn(param.shape, generator=gen)
             param.copy_(1.0 + 0.2 * values if name.endswith("norm.weight") else 0.15 * values)
-    model._pack_linears()  # the CPU matmul layout, as after a real load
+    model.finish_loading()  # the CPU matmul layout, as after a real load
     return model
 
 
@@ -70,8 +74,9 @@ def test_fused_decoder_matches_eager(family, dtype):
     config = ModelConfig.from_hf_dict({**COMMON, **FAMILIES[family]})
     eager, fused = _build(config, fused=False, dtype=dtype), _build(config, fused=True, dtype=dtype)
     tol = 1e-5 if dtype == torch.float32 else 5e-2  # two bf16 paths, each rounding differently
-    assert all(type(layer) is DecoderLayer for layer in eager.model.layers)
-    assert all(isinstance(layer, FusedDecoderLayer) for layer in fused.model.layers)
+    assert type(eager.stack) is EagerStack and type(fused.stack) is FusedStack
+    linears = {m: {type(mod) for mod in m.modules() if isinstance(mod, LinearBase)} for m in (eager, fused)}
+    assert linears == {eager: {GGUFLinear}, fused: {GemvLinear}}
     caches = {m: [tuple(torch.zeros(m.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE), device=DEVICE, dtype=dtype)
                         for _ in range(2))
                   for _ in range(config.num_hidden_layers)] for m in (eager, fused)}
@@ -96,6 +101,32 @@ def test_fused_decoder_matches_eager(family, dtype):
             assert logits[fused].argmax(-1).tolist() == greedy
         cached = [c + len(seq) for c, seq in zip(cached, tokens)]
         tokens = [[tok] for tok in greedy]
+
+
+def test_stacks_share_one_interface_and_results():
+    """The eager and fused stacks have one signature (`forward(hidden, positions, kv_caches, metadata)
+    -> hidden`, `final_norm(hidden)`) and, run over the very same parameter modules, give the same
+    residual stream and final-normed rows, step after step (a prefill, then a decode step)."""
+    for method in ("forward", "final_norm"):
+        assert inspect.signature(getattr(EagerStack, method)) == inspect.signature(getattr(FusedStack, method))
+    config = ModelConfig.from_hf_dict({**COMMON, **FAMILIES["qwen3"]})
+    model = _build(config, fused=False)
+    fused = FusedStack(config, model.model.layers, model.model.norm, model.attention_backend, torch.float32, DEVICE)
+    stacks = {"eager": model.stack, "fused": fused}
+    caches = {name: [tuple(torch.zeros(model.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE), device=DEVICE)
+                           for _ in range(2)) for _ in range(config.num_hidden_layers)] for name in stacks}
+    gen = torch.Generator().manual_seed(2)
+    cached, query_lens = [0, 0], PROMPT_LENS
+    for _ in range(2):
+        metadata = _to_device(build_metadata(cached, query_lens, BLOCK_TABLES, BLOCK_SIZE))
+        positions = torch.tensor([p for c, n in zip(cached, query_lens) for p in range(c, c + n)], device=DEVICE)
+        embeddings = torch.randn(sum(query_lens), config.hidden_size, generator=gen).to(DEVICE)  # [T, H]
+        stream = {name: stack.forward(embeddings.clone(), positions, caches[name], metadata)
+                  for name, stack in stacks.items()}
+        assert stream["fused"].shape == stream["eager"].shape == embeddings.shape
+        assert rel_err(stream["fused"], stream["eager"]) < 1e-5
+        assert rel_err(fused.final_norm(stream["fused"]), model.stack.final_norm(stream["eager"])) < 1e-5
+        cached, query_lens = [c + n for c, n in zip(cached, query_lens)], [1, 1]
 
 
 def test_cpu_decoder_does_not_import_triton():

@@ -8,7 +8,8 @@ import pytest
 import torch
 from kernel_testlib import DEVICE, DTYPE_IDS, ON_GPU, TOL, rel_err
 
-from kernels import apply_rotary, build_cos_sin_cache, rotary_ref
+from inference_service.model.rope import build_cos_sin_cache
+from kernels import apply_rotary, rotary_ref
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 GRID = list(itertools.product((64, 80, 128), (True, False), (F32, F16, BF16)))

@@ -16,24 +16,7 @@ from inference_service.model.decoder import DecoderModel
 def build_metadata(seq_lens_before: list[int], query_lens: list[int], block_tables: list[list[int]],
                    block_size: int) -> AttentionMetadata:
     """Metadata for one step: sequence i adds query_lens[i] tokens after seq_lens_before[i] cached ones."""
-    slots, starts, seq_lens = [], [0], []
-    for before, query_len, table in zip(seq_lens_before, query_lens, block_tables):
-        for pos in range(before, before + query_len):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-        starts.append(starts[-1] + query_len)
-        seq_lens.append(before + query_len)
-    width = max(len(t) for t in block_tables)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=seq_lens,
-    )
+    return AttentionMetadata.for_sequences(seq_lens_before, query_lens, block_tables, block_size)
 
 
 class PagedHarness:

@@ -19,7 +19,7 @@ from inference_service.cpu_kernels.quant import (
     quant_matmul,
     quant_matmul_ref,
 )
-from inference_service.model.linear import MAX_QUANTIZED_MATMUL_ROWS, Linear
+from inference_service.model.gguf_linear import MAX_QUANTIZED_MATMUL_ROWS, GGUFLinear
 
 EXTENSION = load_extension()
 # Where a C++ compiler exists the extension must build: a broken build would otherwise pass as "skipped"
@@ -107,11 +107,11 @@ def test_linear_stacks_parts_and_expands_for_large_batches():
     rng = np.random.default_rng()
     parts = [QuantizedWeight.from_gguf_blocks(random_blocks(t, n, 64, rng), t)
              for t, n in ((QuantType.Q4_1, 6), (QuantType.Q4_1, 3), (QuantType.Q8_0, 3))]
-    linear = Linear(64, 12, bias=True, dtype=torch.float32, device="cpu")
+    linear = GGUFLinear(64, 12, bias=True, dtype=torch.float32, device="cpu")
     linear.bias.copy_(torch.randn(12))
     for first, part in zip((0, 6, 9), parts):
-        linear.load_quantized_rows(first, part)
-    linear.pack()
+        linear.load_rows(first, part)
+    linear.finish_loading()
     assert [(first, w.qtype, w.shape[0]) for first, w in linear.quantized] == [(0, QuantType.Q4_1, 9),
                                                                               (9, QuantType.Q8_0, 3)]
     assert linear.weight.numel() == 0  # the float copy is released
@@ -125,12 +125,12 @@ def test_linear_stacks_parts_and_expands_for_large_batches():
 def test_linear_with_some_dense_rows_expands_the_rest():
     rng = np.random.default_rng()
     part = QuantizedWeight.from_gguf_blocks(random_blocks(QuantType.Q4_0, 4, 32, rng), QuantType.Q4_0)
-    linear = Linear(32, 6, bias=False, dtype=torch.float32, device="cpu")
-    with torch.no_grad():
-        linear.weight[4:].copy_(torch.randn(2, 32))
-    dense_rows = linear.weight[4:].clone()
-    linear.load_quantized_rows(0, part)
-    linear.pack(release_weight=False)
+    linear = GGUFLinear(32, 6, bias=False, dtype=torch.float32, device="cpu")
+    dense_rows = torch.randn(2, 32)
+    linear.load_rows(4, dense_rows)
+    linear.load_rows(0, part)
+    linear.keeps_weight = True  # the plain weight stays beside the packed one, to be read here
+    linear.finish_loading()
     assert linear.quantized == []
     expected = torch.cat([dequantize_ref(part).float(), dense_rows])
     torch.testing.assert_close(linear.weight.detach(), expected, rtol=0, atol=1e-6)

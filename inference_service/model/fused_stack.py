@@ -1,0 +1,150 @@
+"""The fused decoder stack: the layers of `layers.py` run on the Triton kernels of `kernels/` (the GPU path).
+
+Same parameters (and so the same weight loading) as the eager stack; only the forward differs. Per
+layer, the element-wise work is four launches (five with Qwen3's q/k norm):
+
+    fused_add_rms_norm   residual += hidden; hidden = rms_norm(residual)   (first layer: rms_norm only)
+    apply_rotary         q and k in place, as views of the fused qkv output
+    fused_add_rms_norm   residual += attention output; normed for the MLP
+    silu_and_mul         silu(gate) * up
+
+The residual stream is kept apart from the hidden states, as in vLLM: a layer takes and returns
+(hidden, residual) inside this stack, and the stack adds the last layer's output into the stream.
+
+Decode batches of up to `kernels.MAX_GEMV_ROWS` rows in bf16/fp16 take a shorter path: every
+projection is `kernels.gemv`, with the RMSNorm computed in the qkv and gate_up projections' prologue,
+the SiLU gate in the down projection's, and the residual adds in the o and down projections'
+epilogues. A layer then launches qkv, rotary, attention, o, gate_up and down (plus the KV write).
+That path reads the projections' dense weights, so it is taken only when every projection is a
+`DenseLinear` (a quantized Linear variant runs the general path, through its own `forward`).
+
+Every step is CUDA-graph capturable: no host syncs and no branches on tensor values. This module
+imports Triton; `DecoderModel` imports it only when it picks this stack.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from inference_service.attention.backend import AttentionBackend
+from inference_service.attention.metadata import AttentionMetadata
+from inference_service.model.config import ModelConfig
+from inference_service.model.layers import Attention, DecoderLayer
+from inference_service.model.linear import DenseLinear
+from inference_service.model.norms import RMSNorm
+from inference_service.model.rope import kernel_cos_sin_cache
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def uses_gemv(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a projection of `x` [T, in] with weights of `dtype` runs `kernels.gemv`: a decode batch
+    of a few rows in bf16/fp16, where it streams the weight faster than cuBLAS (bench/results) and
+    takes the norm, gate and residual add along. fp32 keeps the library matmul and the separate
+    element-wise kernels: it is the reference-precision path, compared token for token with the CPU engine."""
+    return x.shape[0] <= kernels.MAX_GEMV_ROWS and dtype in (torch.bfloat16, torch.float16)
+
+
+class GemvLinear(DenseLinear):
+    """`DenseLinear` for the fused stack: a few bf16/fp16 rows through `kernels.gemv`, others through
+    the library matmul; never packed (the kernels read `weight` in its plain layout)."""
+
+    def finish_loading(self) -> None:
+        pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if uses_gemv(x, self.weight.dtype):
+            return kernels.gemv(x, self.weight, self.bias)
+        return super().forward(x)
+
+
+class FusedStack:
+    """`forward(hidden, positions, kv_caches, metadata) -> hidden` over `layers`, and the final norm."""
+
+    def __init__(self, config: ModelConfig, layers: nn.ModuleList, norm: RMSNorm, backend: AttentionBackend,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.layers, self.norm, self.backend, self.dtype = layers, norm, backend, dtype
+        self.cos_sin_cache = kernel_cos_sin_cache(config, device)  # [P, D] float32
+        self.can_fold_gemv = all(isinstance(module, DenseLinear) for layer in layers
+                                 for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                layer.mlp.gate_up_proj, layer.mlp.down_proj))
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata) -> torch.Tensor:
+        """hidden [T, H] embeddings -> the residual stream after the last layer [T, H]."""
+        residual = None
+        folds = self.can_fold_gemv and uses_gemv(hidden, self.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            if folds:
+                hidden, residual = None, self._layer_gemv(layer, hidden, residual, positions, kv_cache, metadata)
+            else:
+                hidden, residual = self._layer(layer, hidden, residual, positions, kv_cache, metadata)
+        if hidden is None or residual is None:
+            return residual if hidden is None else hidden
+        return residual.add_(hidden)  # rounded as `fused_add_rms_norm` rounds the stream
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's final RMSNorm of the stream [T, H]."""
+        return kernels.rms_norm(hidden, self.norm.weight, self.norm.eps)
+
+    def _layer(self, layer: DecoderLayer, hidden: torch.Tensor, residual: torch.Tensor | None,
+               positions: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) [T, H] each -> this layer's MLP output and the residual before it is added."""
+        hidden, residual = _add_rms_norm(layer.input_layernorm, hidden, residual)
+        attn = layer.self_attn
+        hidden = attn.o_proj(self._attend(attn, attn.qkv_proj(hidden), positions, kv_cache, metadata))
+        hidden, residual = _add_rms_norm(layer.post_attention_layernorm, hidden, residual)
+        return layer.mlp.down_proj(kernels.silu_and_mul(layer.mlp.gate_up_proj(hidden))), residual  # [T, H]
+
+    def _layer_gemv(self, layer: DecoderLayer, hidden: torch.Tensor | None, residual: torch.Tensor | None,
+                    positions: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
+        """Four skinny matmuls carry the layer's element-wise work along (no norm or SiLU launches):
+        qkv = norm(stream) Wqkv (+ b), stream += attn Wo, stream += silu_mul(norm(stream) Wgu) Wd.
+        Returns the stream with the layer's output added."""
+        if hidden is None:
+            stream = residual  # [T, H], holding every earlier layer's output
+        else:
+            stream = hidden if residual is None else hidden + residual  # the first layer: the embeddings
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = kernels.gemv(stream, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=layer.input_layernorm.weight,
+                           eps=layer.input_layernorm.eps)  # [T, q + 2 kv]
+        out = self._attend(attn, qkv, positions, kv_cache, metadata)  # [T, q]
+        stream = kernels.gemv(out, attn.o_proj.weight, residual=stream)
+        gate_up = kernels.gemv(stream, mlp.gate_up_proj.weight, norm_weight=layer.post_attention_layernorm.weight,
+                               eps=layer.post_attention_layernorm.eps)  # [T, 2 I]
+        return kernels.gemv(gate_up, mlp.down_proj.weight, gated=True, residual=stream)  # [T, H]
+
+    def _attend(self, attn: Attention, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """qkv [T, q + 2 kv] (the fused projection's output) -> attention output [T, q], before o_proj."""
+        num_tokens = qkv.shape[0]
+        q_end, k_end = attn.q_size, attn.q_size + attn.kv_size
+        if attn.q_norm is None:
+            q = qkv[:, :q_end].view(num_tokens, attn.num_heads, attn.head_dim)  # views of qkv, rotated in place
+            k = qkv[:, q_end:k_end].view(num_tokens, attn.num_kv_heads, attn.head_dim)
+        else:
+            # NOTE: the norm kernel takes rows of one stride, and a head-row of q inside qkv has two
+            # (next head, next token), so q and k are copied out (a view when T == 1) and normed in place.
+            q = qkv[:, :q_end].reshape(num_tokens * attn.num_heads, attn.head_dim)
+            k = qkv[:, q_end:k_end].reshape(num_tokens * attn.num_kv_heads, attn.head_dim)
+            kernels.rms_norm(q, attn.q_norm.weight, attn.q_norm.eps, out=q)
+            kernels.rms_norm(k, attn.k_norm.weight, attn.k_norm.eps, out=k)
+            q = q.view(num_tokens, attn.num_heads, attn.head_dim)
+            k = k.view(num_tokens, attn.num_kv_heads, attn.head_dim)
+        kernels.apply_rotary(q, k, positions, self.cos_sin_cache, is_neox=True)
+        v = qkv[:, k_end:].view(num_tokens, attn.num_kv_heads, attn.head_dim)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, attn.scale,
+                                   sliding_window=attn.sliding_window, soft_cap=attn.soft_cap)  # [T, Hq, D]
+        return out.reshape(num_tokens, attn.q_size)
+
+
+def _add_rms_norm(norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed [T, H], residual [T, H]). With no residual yet, `hidden` becomes the residual stream;
+    otherwise `residual += hidden` in place and the normed rows are written over `hidden`."""
+    if residual is None:
+        return kernels.rms_norm(hidden, norm.weight, norm.eps), hidden
+    return kernels.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps), residual
