@@ -38,6 +38,7 @@ class CpuDecodeLayers:
         config, spec = model.config, model.spec
         ext = load_extension() if model.device.type == "cpu" and model.dtype == torch.float32 else None
         if (ext is None or getattr(model, "fused_kernels", False) or spec.qk_norm or spec.post_norms
+                or not getattr(model.attention_backend, "use_cpu_kernels", False)
                 or spec.attn_soft_cap is not None or config.rotary_dim != config.head_dim
                 or model.stack.local_rotary is not model.stack.rotary or model.stack.rotary.long_tables is not None
                 or config.hidden_act not in ("silu", "gelu_pytorch_tanh")):
@@ -58,10 +59,11 @@ class CpuDecodeLayers:
         return cls(layers, model.stack.rotary)
 
     @staticmethod
-    def takes(num_tokens: int, metadata: AttentionMetadata) -> bool:
-        """Whether this step is decode-only (one token a sequence) and within the quantized kernels' batch."""
+    def takes(num_tokens: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata) -> bool:
+        """Whether this step is decode-only (one token a sequence), within the quantized kernels' batch,
+        over a float32 cache (the C++ attention's)."""
         return (metadata.max_query_len == 1 and num_tokens == metadata.seq_lens.shape[0]
-                and num_tokens <= MAX_QUANTIZED_MATMUL_ROWS)
+                and num_tokens <= MAX_QUANTIZED_MATMUL_ROWS and kv_caches[0][0].dtype == torch.float32)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata) -> torch.Tensor:

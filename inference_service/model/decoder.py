@@ -30,6 +30,7 @@ from inference_service.attention.metadata import AttentionMetadata
 from inference_service.cpu_kernels.quant import QuantizedWeight
 from inference_service.errors import UnsupportedModelError
 from inference_service.model.config import ModelConfig
+from inference_service.model.cpu_decode import CpuDecodeLayers
 from inference_service.model.eager_stack import EagerStack
 from inference_service.model.family import FamilySpec
 from inference_service.model.gguf_linear import GGUFLinear
@@ -121,6 +122,8 @@ class DecoderModel(nn.Module):
                 module.prepare()
             elif isinstance(module, LinearBase):
                 module.finish_loading()
+        if isinstance(self.stack, EagerStack):
+            self.stack.cpu_decode_layers = CpuDecodeLayers.build(self)
 
     @property
     def num_weight_bytes(self) -> int:

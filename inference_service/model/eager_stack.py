@@ -35,11 +35,17 @@ class EagerStack:
         # Which layers read the local rotary table (those that slide, when there are two tables).
         self.is_local = [self.local_rotary is not self.rotary and config.layer_window(i) is not None
                          for i in range(config.num_hidden_layers)]
+        # Decode steps layer by layer in C++ (`cpu_decode.CpuDecodeLayers`), set by the model once its
+        # weights are loaded where they qualify; None runs every step here.
+        self.cpu_decode_layers = None
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata) -> torch.Tensor:
         """hidden [T, H] embeddings (a fresh buffer, used as the residual stream) -> the stream after
         the last layer [T, H]."""
+        fast = self.cpu_decode_layers
+        if fast is not None and fast.takes(hidden.shape[0], kv_caches, metadata):
+            return fast.forward(hidden, positions, kv_caches, metadata)
         use_long = self._uses_long_rope(positions, metadata)
         tables = {False: self.rotary.lookup(positions, use_long)}  # [T, 1, R] each, shared by every layer
         if self.local_rotary is not self.rotary:

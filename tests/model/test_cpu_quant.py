@@ -173,3 +173,33 @@ def test_concurrent_callers_get_their_own_results():
     assert not any(t.is_alive() for t in threads)
     for i, x in enumerate(inputs):
         torch.testing.assert_close(results[i].double(), expected[i], rtol=1e-5, atol=1e-5)
+
+
+def _decode_logits(model, prompts: list[list[int]], num_steps: int) -> list[torch.Tensor]:
+    """Logits [len(prompts), V] of each greedy decode step after prefilling `prompts` together."""
+    harness = PagedHarness(model, num_blocks=128, block_size=16)
+    tables = [[] for _ in prompts]
+    logits = harness.step(prompts, [0] * len(prompts), tables)
+    cached, steps = [len(p) for p in prompts], []
+    for _ in range(num_steps):
+        logits = harness.step([[int(row.argmax())] for row in logits], cached, tables)
+        cached = [c + 1 for c in cached]
+        steps.append(logits)
+    return steps
+
+
+def test_decode_steps_run_in_cpp_layers_with_the_eager_layers_logits(smollm, smollm_prompts, monkeypatch):
+    """The packed model's decode steps go through the C++ layers (`model/cpu_decode.py`), which run the
+    eager layers' kernels in their order: the logits are the eager layers' bit for bit."""
+    stack = smollm.model.stack
+    fast = stack.cpu_decode_layers
+    assert fast is not None, "the embedded model qualifies for the C++ decode layers"
+    calls = []
+    monkeypatch.setattr(fast, "forward", lambda *args: calls.append(1) or type(fast).forward(fast, *args))
+    prompts = smollm_prompts[:3]
+    got = _decode_logits(smollm.model, prompts, 6)
+    assert len(calls) == 6  # every decode step, and no prefill
+    monkeypatch.setattr(stack, "cpu_decode_layers", None)
+    expected = _decode_logits(smollm.model, prompts, 6)
+    for step, (a, b) in enumerate(zip(got, expected)):
+        assert torch.equal(a, b), f"decode step {step} differs by {(a - b).abs().max()}"
