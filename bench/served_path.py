@@ -269,6 +269,14 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder for served_path.json, served_path.md and the runs")
@@ -291,8 +299,7 @@ def main() -> int:
     from rest_proxy.workers import default_num_workers
 
     os.makedirs(args.out, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or os.environ.get("COMMIT", "unknown")
+    commit = os.environ.get("COMMIT") or _git_commit()
     workers = args.proxy_workers or default_num_workers()
     num_clients = args.load_clients or (1 if args.smoke else 4)
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
