@@ -11,6 +11,8 @@ SERVE_ARGS ?=
 # Flags of the OpenAI proxy in `make serve`, e.g. PROXY_ARGS="--mcp-config mcp.json --api-key KEY"; the chat
 # UI is on unless they say --no-ui.
 PROXY_ARGS ?=
+# Proxy processes sharing PROXY_PORT (rest-proxy serve --workers); empty: the proxy's default, min(4, CPUs).
+PROXY_WORKERS ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup serve serve-engine test proto lint bench clean
@@ -35,7 +37,7 @@ proto: $(STAMP)
 	$(PY) -m inference_service.protogen
 
 serve: $(STAMP)
-	@$(PY) -m inference_service.launch --engine-port $(ENGINE_PORT) --proxy-port $(PROXY_PORT) $(if $(MODEL),--model $(MODEL)) --proxy-args "--ui $(PROXY_ARGS)" $(SERVE_ARGS)
+	@$(PY) -m inference_service.launch --engine-port $(ENGINE_PORT) --proxy-port $(PROXY_PORT) $(if $(MODEL),--model $(MODEL)) --proxy-args "--ui $(if $(PROXY_WORKERS),--workers $(PROXY_WORKERS)) $(PROXY_ARGS)" $(SERVE_ARGS)
 
 serve-engine: $(STAMP)
 	$(VENV)/bin/inference-service serve --port $(ENGINE_PORT) $(if $(MODEL),--model $(MODEL)) $(SERVE_ARGS)

@@ -8,13 +8,21 @@ import logging
 import os
 import sys
 
-from dataclasses import replace
+from dataclasses import MISSING, fields, replace
 
 from inference_service.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
 from inference_service.engine.generation_config import parse_override
 from inference_service.model.hub import HubError, download_model, parse_hub_id
 
 API_KEY_ENV = "INFERENCE_SERVICE_API_KEY"
+
+
+def _default(config_class, name: str):
+    """The dataclass's own default of field `name`: the CLI, `bench/` and library callers share one set of defaults,
+    so a number measured with an engine built in-process is what `serve` gives with the same flags."""
+    f = next(f for f in fields(config_class) if f.name == name)
+    assert f.default is not MISSING, name
+    return f.default
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,8 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: Triton kernels on CUDA, plain torch elsewhere")
     m.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs on a GPU: run every decode step eagerly (slower; for debugging)")
-    m.add_argument("--max-cuda-graph-batch-size", type=int, default=256,
-                   help="largest decode batch captured as a CUDA graph (up to --max-num-seqs); larger run eagerly")
+    m.add_argument("--max-cuda-graph-batch-size", type=int,
+                   default=_default(EngineConfig, "max_cuda_graph_batch_size"),
+                   help="largest decode batch captured as a CUDA graph; larger ones run eagerly (default: "
+                        "--max-num-seqs, so every decode step replays a graph; captured sizes 1, 2, 4, 8, 16, ... "
+                        "8 apart below 256 and 16 apart above)")
     m.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before the previous one's tokens reach the host, so scheduling and "
                         "output processing overlap the GPU (default: on with CUDA, off on the CPU)")
@@ -94,11 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
                    help="the same as --no-enable-prefix-caching")
     s = p.add_argument_group("scheduler")
-    s.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
-    s.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
-    s.add_argument("--prefill-chunk-size", type=int, default=8192, dest="max_prefill_chunk",
-                   help="longest prefill chunk of one sequence in one step (chunked prefill)")
-    s.add_argument("--max-waiting-requests", type=int, default=1024,
+    s.add_argument("--max-num-seqs", type=int, default=_default(SchedulerConfig, "max_num_seqs"),
+                   help="most sequences running at once")
+    s.add_argument("--max-num-batched-tokens", type=int, default=_default(SchedulerConfig, "max_num_batched_tokens"),
+                   help="token budget of one step")
+    s.add_argument("--prefill-chunk-size", type=int, default=_default(SchedulerConfig, "max_prefill_chunk"),
+                   dest="max_prefill_chunk", help="longest prefill chunk of one sequence in one step (chunked prefill)")
+    s.add_argument("--max-waiting-requests", type=int, default=_default(SchedulerConfig, "max_waiting_requests"),
                    help="waiting-queue bound; beyond it new requests get RESOURCE_EXHAUSTED")
     s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs: waiting requests in arrival order (a request's priority is ignored); priority: "

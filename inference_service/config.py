@@ -86,7 +86,9 @@ class EngineConfig:
     dequantize: bool = False
     attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton"
     enforce_eager: bool = False  # no CUDA graphs: every step launches its kernels one by one
-    max_cuda_graph_batch_size: int = 256  # decode steps of more sequences run eagerly
+    # Largest decode batch captured as a CUDA graph (larger ones run eagerly); None = --max-num-seqs, so every
+    # decode step the scheduler can form replays a graph. Read it through `cuda_graph_batch_size`.
+    max_cuda_graph_batch_size: int | None = None
     # Schedule and launch step N+1 before waiting for step N; None = on for CUDA, off on the CPU
     # (where the model runs in the calling thread, so nothing would overlap).
     async_scheduling: bool | None = None
@@ -119,7 +121,7 @@ class EngineConfig:
             raise ValueError(f"--load-format must be auto or dummy, got {self.load_format!r}")
         if self.load_format == "dummy" and not self.model:
             raise ValueError("--load-format dummy needs --model naming a folder with a config.json")
-        if self.max_cuda_graph_batch_size < 1:
+        if self.max_cuda_graph_batch_size is not None and self.max_cuda_graph_batch_size < 1:
             raise ValueError(f"--max-cuda-graph-batch-size must be >= 1, got {self.max_cuda_graph_batch_size}")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template: no such file {self.chat_template!r}")
@@ -127,6 +129,12 @@ class EngineConfig:
             raise ValueError(f"--generation-config must be auto, none or a folder, got {self.generation_config!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"--attention-backend must be auto, torch or triton, got {self.attention_backend!r}")
+
+    @property
+    def cuda_graph_batch_size(self) -> int:
+        """The largest decode batch to capture: the flag, capped at --max-num-seqs (no step is larger)."""
+        limit = self.max_cuda_graph_batch_size or self.scheduler.max_num_seqs
+        return min(limit, self.scheduler.max_num_seqs)
 
 
 @dataclass(slots=True)

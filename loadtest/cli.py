@@ -108,7 +108,9 @@ async def run(args: argparse.Namespace) -> dict:
               if k != "api_key"}
     results = {"label": args.label, "model": model, "backend": backend.name, "config": config,
                "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-               "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "summary": summary,
+               "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               # The run's start on the wall clock: runs of several client processes can be put on one timeline.
+               "start_unix_s": time.time() - (time.perf_counter() - result.start), "summary": summary,
                "requests": [record_dict(r, result.start) for r in result.records]}
     print(format_summary(summary, f" {args.label or 'Load Test Result'} "))
     if args.output_dir:

@@ -56,7 +56,7 @@ def _path_routes(app: FastAPI) -> list[BaseRoute]:
 def _build_services(state, config: ProxyConfig) -> None:
     """The services the routes use, on `app.state`."""
     state.config = config
-    state.metrics = metrics = ProxyMetrics()
+    state.metrics = metrics = ProxyMetrics(multiprocess=config.workers > 1)
     state.router = router = EngineRouter(
         config.engines, request_timeout=config.request_timeout, on_grpc_error=metrics.record_grpc_error,
         refresh_interval=config.engine_refresh_interval,

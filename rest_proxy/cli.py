@@ -12,6 +12,7 @@ from rest_proxy.reasoning import ALIASES as REASONING_ALIASES
 from rest_proxy.reasoning import FORMATS as REASONING_FORMATS
 from rest_proxy.reasoning import NONE as NO_REASONING
 from rest_proxy.tool_parsers import ALIASES, PARSERS
+from rest_proxy.workers import MAX_DEFAULT_WORKERS, default_num_workers, serve_workers
 
 API_KEY_ENV = "REST_PROXY_API_KEY"
 ENGINE_API_KEY_ENV = "REST_PROXY_ENGINE_API_KEY"
@@ -25,6 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="engine gRPC target; repeat for several models (default localhost:50051)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--workers", type=int, default=None, metavar="N",
+                       help=f"proxy processes serving the port (the proxy is stateless; the kernel spreads "
+                            f"connections over them). One event loop tops out near one core while streaming "
+                            f"hundreds of responses, so the default is one per usable CPU (affinity and cgroup "
+                            f"limit), at most {MAX_DEFAULT_WORKERS}: here {default_num_workers()}. Stored "
+                            f"responses (previous_response_id) are per worker")
     serve.add_argument("--api-key", default=None,
                        help=f"require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize "
                             f"(default: ${API_KEY_ENV}; unset: no auth)")
@@ -84,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         except McpConfigError as err:
             print(f"rest-proxy: {err}", file=sys.stderr)
             return 2
-    from rest_proxy.app import create_app
     from rest_proxy.config import ProxyConfig
 
     try:
@@ -99,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                              engine_tls_ca=args.engine_tls_ca, engine_tls_cert=args.engine_tls_cert,
                              engine_tls_key=args.engine_tls_key, docs=args.docs,
                              responses_store_size=args.responses_store_size,
-                             responses_store_ttl=args.responses_store_ttl, ui=args.ui)
+                             responses_store_ttl=args.responses_store_ttl, ui=args.ui,
+                             workers=default_num_workers() if args.workers is None else args.workers)
     except ValueError as err:
         print(f"rest-proxy: {err}", file=sys.stderr)
         return 2
@@ -111,10 +118,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rest-proxy: {err}", file=sys.stderr)
         return 2
     print(f"rest-proxy: serving the OpenAI API on http://{args.host}:{args.port}/v1 "
-          f"(engines: {', '.join(config.engines)})", flush=True)
+          f"(engines: {', '.join(config.engines)}; {config.workers} worker{'s' if config.workers > 1 else ''})",
+          flush=True)
     if config.ui:
         print(f"rest-proxy: chat UI on http://{args.host}:{args.port}/", flush=True)
+    if config.workers == 1:
+        return _serve(config, args, sockets=None)
+    return serve_workers(config.workers, args.host, args.port, lambda sock: _serve(config, args, sockets=[sock]))
+
+
+def _serve(config, args: argparse.Namespace, sockets) -> int:
+    """One proxy process: the app under uvicorn until SIGTERM has drained it (`sockets`: listen on
+    these, as a worker; None: bind --host/--port)."""
     from inference_service.engine.gc_heap import freeze_startup_heap
+    from rest_proxy.app import create_app
     from rest_proxy.drain import DrainingServer
     from rest_proxy.limits import uvicorn_config
 
@@ -124,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     server = DrainingServer(uvicorn_config(app, config, host=args.host, port=args.port,
                                            log_level=args.log_level.lower(), timeout_graceful_shutdown=1),
                             app.state.drain, args.shutdown_timeout)
-    server.run()
+    server.run(sockets=sockets)
     return 0
 
 

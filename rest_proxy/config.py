@@ -38,6 +38,8 @@ class ProxyConfig:
     responses_store_size: int = 1000
     responses_store_ttl: float = 3600.0
     ui: bool = False  # the web chat UI at `/` (rest_proxy/ui.py)
+    # Processes serving the port (rest_proxy/workers.py); > 1: metrics in prometheus-client's multiprocess mode.
+    workers: int = 1
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -46,6 +48,8 @@ class ProxyConfig:
             get_parser(self.tool_parser)  # an unknown name refuses to start
         if self.reasoning_parser is not None:
             get_format(self.reasoning_parser)
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.max_mcp_rounds < 1:
             raise ValueError("max_mcp_rounds must be >= 1")
         if self.request_timeout is not None and self.request_timeout <= 0:

@@ -1,4 +1,10 @@
-"""Prometheus metrics of the proxy (one registry per app, so tests can build many apps)."""
+"""Prometheus metrics of the proxy (one registry per app, so tests can build many apps).
+
+Under `--workers N` every worker process writes its values to prometheus-client's multiprocess folder
+(`rest_proxy/workers.py` makes it) and any worker's /metrics reads them all: counters and histograms are
+summed over the workers (dead ones included, so totals never go back), `rest_proxy_sse_streams_open` is
+the sum over live workers, `rest_proxy_mcp_tools` the most any live worker offers, and
+`rest_proxy_worker_requests` has one series per live worker (label `pid`)."""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -14,8 +21,11 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class ProxyMetrics:
-    def __init__(self) -> None:
+    def __init__(self, multiprocess: bool = False) -> None:
+        """`multiprocess`: this is one of several workers (PROMETHEUS_MULTIPROC_DIR set before
+        prometheus-client was imported); /metrics then shows the sum over all of them."""
         self.registry = CollectorRegistry()
+        self.multiprocess = multiprocess
         self.http_requests = Counter(
             "rest_proxy_http_requests_total", "HTTP requests answered, by route, method and status.",
             ["route", "method", "status"], registry=self.registry)
@@ -28,7 +38,7 @@ class ProxyMetrics:
             ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.open_streams = Gauge(
             "rest_proxy_sse_streams_open", "Server-sent-event streams currently open.",
-            registry=self.registry)
+            registry=self.registry, multiprocess_mode="livesum")
         self.grpc_errors = Counter(
             "rest_proxy_grpc_errors_total", "Errors from the engine (calls and in-band), by gRPC code.",
             ["code"], registry=self.registry)
@@ -37,12 +47,22 @@ class ProxyMetrics:
             ["server", "tool", "outcome"], registry=self.registry)
         self.mcp_tools = Gauge(
             "rest_proxy_mcp_tools", "MCP tools currently offered, by server.", ["server"],
-            registry=self.registry)
+            registry=self.registry, multiprocess_mode="livemax")
+        self.worker_requests = Gauge(
+            "rest_proxy_worker_requests",
+            "HTTP requests this worker process answered (/metrics scrapes excepted), since it started; "
+            "with --workers, one series per live worker (label pid): how evenly the kernel spreads connections.",
+            registry=self.registry, multiprocess_mode="liveall")
+        self.worker_requests.set(0)  # a started worker is listed before its first request
 
     def record_grpc_error(self, code: str) -> None:
         self.grpc_errors.labels(code=code).inc()
 
     def render(self) -> Response:
+        if self.multiprocess:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -91,4 +111,6 @@ class MetricsMiddleware:
             route, method = _route_name(scope, self.routes), scope.get("method", "")
             self.metrics.http_requests.labels(route=route, method=method, status=str(status)).inc()
             self.metrics.http_latency.labels(route=route, method=method).observe(time.perf_counter() - start)
+            if scope.get("path") != "/metrics":
+                self.metrics.worker_requests.inc()
 

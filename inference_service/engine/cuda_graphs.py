@@ -25,12 +25,20 @@ from inference_service.engine.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
+# Below this batch size captures are 8 apart, from it on 16: a padded row costs a larger share of a small step.
+_FINE_STEP_LIMIT = 256
+
 
 def capture_sizes(max_batch_size: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 8 up to `max_batch_size` (vLLM's choice: padding wastes
-    at most 7 rows past 8), always ending at `max_batch_size` itself."""
-    sizes = [s for s in (1, 2, 4) if s < max_batch_size] + list(range(8, max_batch_size, 8))
-    return sizes + [max_batch_size]
+    """The decode batch sizes captured for `max_batch_size` (the engine passes --max-num-seqs): 1, 2, 4,
+    then every multiple of 8 below 256 and every multiple of 16 from 256 on, always ending at
+    `max_batch_size` itself (vLLM's list). A step pads to the next size, so padding wastes at most 7
+    rows below 256 and 15 above, while the number of captures (time and graph memory at startup)
+    grows by one per 16 sequences instead of per 8."""
+    if max_batch_size < 1:
+        raise ValueError(f"a CUDA graph batch size must be >= 1, got {max_batch_size}")
+    candidates = [1, 2, 4, *range(8, _FINE_STEP_LIMIT, 8), *range(_FINE_STEP_LIMIT, max_batch_size, 16)]
+    return [s for s in candidates if s < max_batch_size] + [max_batch_size]
 
 
 class DecodeGraphs:

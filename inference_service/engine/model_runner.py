@@ -80,7 +80,7 @@ class ModelRunner:
         backend = self.model.attention_backend
         self.kv_spec = KVCacheSpec.build(loaded.config, config.cache, dtype, backend.name)
         use_graphs = device.type == "cuda" and not config.enforce_eager and backend.name == "triton"
-        graph_batch = min(config.max_cuda_graph_batch_size, sched.max_num_seqs) if use_graphs else 0
+        graph_batch = config.cuda_graph_batch_size if use_graphs else 0
 
         reserve = 0
         if device.type == "cuda" and config.cache.kv_cache_memory_mib is None:

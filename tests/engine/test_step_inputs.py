@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_service.config import CacheConfig, EngineConfig
+from inference_service.config import CacheConfig, EngineConfig, SchedulerConfig
 from inference_service.engine.cuda_graphs import capture_sizes
 from inference_service.engine.kv_cache import FP8_KV_DTYPE, KVCacheSpec
 from inference_service.engine.sampling_params import SamplingParams
@@ -112,8 +112,24 @@ def test_capture_sizes():
     assert capture_sizes(6) == [1, 2, 4, 6]
     assert capture_sizes(8) == [1, 2, 4, 8]
     assert capture_sizes(30) == [1, 2, 4, 8, 16, 24, 30]
-    sizes = capture_sizes(256)
-    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 3 + 32
+    assert capture_sizes(256) == [1, 2, 4, *range(8, 257, 8)]
+    # 16 apart from 256 on: --max-num-seqs 384 (the fp8 bench) captures 43 graphs, not 51
+    assert capture_sizes(384) == [1, 2, 4, *range(8, 256, 8), *range(256, 385, 16)]
+    assert len(capture_sizes(384)) == 43
+    assert capture_sizes(300) == [1, 2, 4, *range(8, 256, 8), 256, 272, 288, 300]
+    assert capture_sizes(1024)[-3:] == [992, 1008, 1024]
+    with pytest.raises(ValueError, match="batch size must be >= 1"):
+        capture_sizes(0)
+
+
+def test_cuda_graphs_cover_max_num_seqs_by_default():
+    """The shipped configuration: every decode batch the scheduler can form has a graph, unless told otherwise."""
+    assert EngineConfig().cuda_graph_batch_size == SchedulerConfig().max_num_seqs == 256
+    assert EngineConfig(scheduler=SchedulerConfig(max_num_seqs=384)).cuda_graph_batch_size == 384
+    assert EngineConfig(max_cuda_graph_batch_size=128,
+                        scheduler=SchedulerConfig(max_num_seqs=384)).cuda_graph_batch_size == 128
+    assert EngineConfig(max_cuda_graph_batch_size=512,
+                        scheduler=SchedulerConfig(max_num_seqs=384)).cuda_graph_batch_size == 384
 
 
 def _model_config() -> ModelConfig:

@@ -66,3 +66,16 @@ def test_values_vllm_has_but_we_do_not_are_refused_by_the_parser(flag, value, ca
         build_parser().parse_args(["serve", flag, value])
     assert exit_.value.code == 2
     assert f"argument {flag}: invalid choice: '{value}'" in capsys.readouterr().err
+
+
+def test_serve_defaults_are_the_configs_own():
+    """The bench builds engines from the dataclasses' defaults; `serve` with no flags builds the same configs,
+    so a number measured in-process is what the server ships (graphs up to --max-num-seqs included)."""
+    from inference_service.config import EngineConfig, SchedulerConfig
+
+    engine, _ = configs()
+    assert engine.scheduler == SchedulerConfig()
+    assert engine.max_cuda_graph_batch_size is EngineConfig().max_cuda_graph_batch_size is None
+    assert engine.cuda_graph_batch_size == 256
+    assert configs("--max-num-seqs", "384")[0].cuda_graph_batch_size == 384
+    assert configs("--max-num-seqs", "384", "--max-cuda-graph-batch-size", "64")[0].cuda_graph_batch_size == 64

@@ -199,6 +199,7 @@ def test_standalone_envoy_config_is_valid_and_matches_the_chart(rendered, tmp_pa
     ({"envoy": {"healthCheck": {"noTrafficInterval": "2 seconds"}}}, "/envoy/healthCheck/noTrafficInterval"),
     ({"proxy": {"autoscaling": {"targetCPUUtilizationPercentage": 150}}}, "/proxy/autoscaling"),
     ({"engine": {"gpus": 1}}, "/engine"),
+    ({"proxy": {"workers": 0}}, "/proxy/workers"),
 ])
 def test_schema_rejects_bad_values(chart, bad, where):
     with pytest.raises(helm_python.HelmValuesError, match=where):
@@ -212,3 +213,15 @@ def test_notes_tell_how_to_connect(chart):
     assert "port-forward svc/llm-inference-service-proxy 8000:8000" in notes
     assert "get secret llm-inference-service-proxy" in notes
     assert "1 x nvidia.com/gpu" not in notes and "on CPU" in notes
+
+
+def test_proxy_workers_reach_the_command(rendered, chart):
+    """`proxy.workers` is `rest-proxy serve --workers`; null leaves the proxy's own default."""
+    def workers_args(objects):
+        return [a for a in container(find(objects, "Deployment", "-proxy"))["args"] if a.startswith("--workers")]
+    assert workers_args(rendered["default"]) == ["--workers=2"]
+    assert workers_args(rendered["cpu"]) == ["--workers=1"]
+    auto = chart.render({"proxy": {"workers": None}}, name="llm", namespace="serving")
+    objects = [doc for path, text in auto.items() if not path.endswith("NOTES.txt")
+               for doc in yaml.safe_load_all(text) if doc]
+    assert workers_args(objects) == []
