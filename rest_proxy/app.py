@@ -23,7 +23,7 @@ from rest_proxy.limits import RequestBodyMiddleware
 from rest_proxy.mcp_manager import McpManager
 from rest_proxy.metrics import MetricsMiddleware, ProxyMetrics
 from rest_proxy.responses import ResponsesService
-from rest_proxy.responses_store import ResponseStore
+from rest_proxy.responses_store import open_response_store
 from rest_proxy.routes import chat, completions, embeddings, health, models, responses, tokenize, version
 from rest_proxy.ui import mount_ui
 
@@ -68,7 +68,8 @@ def _build_services(state, config: ProxyConfig) -> None:
                              reasoning_parser=config.reasoning_parser, mcp_execute=config.mcp_execute,
                              max_mcp_rounds=config.max_mcp_rounds)
     state.completions = CompletionService(router, metrics=metrics)
-    state.responses_store = ResponseStore(config.responses_store_size, config.responses_store_ttl)
+    state.responses_store = open_response_store(config.responses_store_size, config.responses_store_ttl,
+                                                config.responses_store_path)
     state.responses = ResponsesService(state.chat, state.responses_store, metrics)
     state.api_key_check = ApiKeyCheck(config.api_key)
     state.drain = DrainState()

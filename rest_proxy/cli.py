@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import replace
 
 from rest_proxy.mcp_config import McpConfigError, load_mcp_config
 from rest_proxy.reasoning import ALIASES as REASONING_ALIASES
@@ -30,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"proxy processes serving the port (the proxy is stateless; the kernel spreads "
                             f"connections over them). One event loop tops out near one core while streaming "
                             f"hundreds of responses, so the default is one per usable CPU (affinity and cgroup "
-                            f"limit), at most {MAX_DEFAULT_WORKERS}: here {default_num_workers()}. Stored "
-                            f"responses (previous_response_id) are per worker")
+                            f"limit), at most {MAX_DEFAULT_WORKERS}: here {default_num_workers()}. The workers "
+                            f"share stored responses (previous_response_id) in a SQLite file")
     serve.add_argument("--api-key", default=None,
                        help=f"require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize "
                             f"(default: ${API_KEY_ENV}; unset: no auth)")
@@ -63,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "--no-docs switches them off")
     serve.add_argument("--responses-store-size", type=int, default=1000, metavar="N",
                        help="most responses kept for previous_response_id and GET /v1/responses/{id} "
-                            "(least recently used evicted first; 0: none kept). In memory, per replica")
+                            "(least recently used evicted first; 0: none kept). Per replica: in memory, or "
+                            "shared by its --workers in a SQLite file")
     serve.add_argument("--responses-store-ttl", type=float, default=3600.0, metavar="SECONDS",
                        help="seconds a stored response is kept")
     serve.add_argument("--ui", action=argparse.BooleanOptionalAction, default=False,
@@ -124,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rest-proxy: chat UI on http://{args.host}:{args.port}/", flush=True)
     if config.workers == 1:
         return _serve(config, args, sockets=None)
-    return serve_workers(config.workers, args.host, args.port, lambda sock: _serve(config, args, sockets=[sock]))
+    return serve_workers(config.workers, args.host, args.port, lambda sock, state_dir: _serve(
+        replace(config, responses_store_path=os.path.join(state_dir, "responses.sqlite")), args, sockets=[sock]))
 
 
 def _serve(config, args: argparse.Namespace, sockets) -> int:

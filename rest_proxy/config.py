@@ -37,6 +37,8 @@ class ProxyConfig:
     # Stored responses for previous_response_id: at most this many (LRU), each this many seconds at most.
     responses_store_size: int = 1000
     responses_store_ttl: float = 3600.0
+    # The SQLite file the workers of one proxy share them in (set by the CLI under --workers > 1); None: memory.
+    responses_store_path: str | None = None
     ui: bool = False  # the web chat UI at `/` (rest_proxy/ui.py)
     # Processes serving the port (rest_proxy/workers.py); > 1: metrics in prometheus-client's multiprocess mode.
     workers: int = 1

@@ -1,6 +1,6 @@
 """`rest-proxy serve --workers N`: N proxy processes on one port, forked and supervised by a small parent.
 
-The proxy is stateless (stored responses excepted: see `--responses-store-size`), so several event loops
+The proxy is stateless (stored responses excepted: the workers share them), so several event loops
 on one node serve several times the streams one loop can. The parent:
 
     parent (no event loop, no gRPC channel; signals, restarts, the metrics folder)
@@ -15,6 +15,8 @@ on one node serve several times the streams one loop can. The parent:
 - Metrics: prometheus-client's multiprocess mode. The parent makes a fresh PROMETHEUS_MULTIPROC_DIR
   before any worker imports prometheus-client, marks a dead worker's live gauges gone, and deletes the
   folder at exit; any worker's /metrics sums every worker (`ProxyMetrics(multiprocess=True)`).
+- Stored responses: the parent makes a private folder for the workers' shared state (the SQLite file of
+  `SqliteResponseStore`), handed to each worker, and deletes it at exit.
 - Signals: SIGTERM or SIGINT to the parent is passed to every worker as SIGTERM, and each drains as a
   single proxy does (503 to new requests, in-flight streams finish, up to --shutdown-timeout); a second
   one stops them at once. Workers run in their own process group, so a terminal's Ctrl-C reaches the
@@ -188,16 +190,20 @@ def _mark_metrics_dead(pid: int) -> None:
     multiprocess.mark_process_dead(pid)
 
 
-def serve_workers(num_workers: int, host: str, port: int, run_worker: Callable[[socket.socket], int]) -> int:
-    """Listens on host:port, runs `num_workers` workers (`run_worker(sock)` in each) until a signal
-    stops them, with a private prometheus-client multiprocess folder; the exit status."""
+def serve_workers(num_workers: int, host: str, port: int,
+                  run_worker: Callable[[socket.socket, str], int]) -> int:
+    """Listens on host:port, runs `num_workers` workers (`run_worker(sock, state_dir)` in each, `state_dir`
+    a private folder they share) until a signal stops them, with a private prometheus-client multiprocess
+    folder; the exit status."""
     sockets = listening_sockets(host, port, num_workers)
     # NOTE: before any worker imports prometheus-client: it picks its multiprocess value class at import.
     metrics_dir = tempfile.mkdtemp(prefix="rest-proxy-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    state_dir = tempfile.mkdtemp(prefix="rest-proxy-state-")
     try:
-        return WorkerSupervisor(sockets, run_worker).run()
+        return WorkerSupervisor(sockets, lambda sock: run_worker(sock, state_dir)).run()
     finally:
         for sock in sockets:
             sock.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        shutil.rmtree(state_dir, ignore_errors=True)

@@ -1,8 +1,13 @@
-"""The Responses API's parts without a model: the bounded store (by count and by age, exact eviction order),
-the store behind the proxy (scripted engine), and the event builder checked by the `openai` SDK's own stream
+"""The Responses API's parts without a model: the bounded store (by count and by age, exact eviction order;
+in memory and in a SQLite file, the latter shared by processes and round-tripping entries exactly), the
+store behind the proxy (scripted engine, either store), and the event builder checked by the `openai` SDK's own stream
 accumulator, including output the chat path cannot produce yet (reasoning, text after a call, a refusal)."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,9 +18,11 @@ from pydantic import TypeAdapter
 
 from rest_proxy.errors import ProxyError
 from rest_proxy.responses_output import ResponseBuilder
-from rest_proxy.responses_store import ResponseStore, StoredResponse
+from rest_proxy.protocol import ChatMessageParam
+from rest_proxy.responses_store import MemoryResponseStore, SqliteResponseStore, StoredResponse
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
+ROOT = Path(__file__).parent.parent.parent
 
 
 class Clock:
@@ -30,8 +37,25 @@ def entry(n: int) -> StoredResponse:
     return StoredResponse(response={"id": f"r{n}"}, messages=[])
 
 
-def test_store_evicts_least_recently_used_beyond_max_entries():
-    store = ResponseStore(max_entries=3, ttl=60, clock=Clock())
+@pytest.fixture(params=["memory", "sqlite"])
+def make_store(request, tmp_path):
+    """Builds the store under test: `MemoryResponseStore`, or `SqliteResponseStore` on a fresh file."""
+    if request.param == "memory":
+        yield MemoryResponseStore
+        return
+    opened: list[SqliteResponseStore] = []
+
+    def make(**kwargs) -> SqliteResponseStore:
+        opened.append(SqliteResponseStore(str(tmp_path / f"store{len(opened)}.sqlite"), **kwargs))
+        return opened[-1]
+
+    yield make
+    for store in opened:
+        store.close()
+
+
+def test_store_evicts_least_recently_used_beyond_max_entries(make_store):
+    store = make_store(max_entries=3, ttl=60, clock=Clock())
     for n in range(3):
         store.put(f"r{n}", entry(n))
     assert store.get("r0").response == {"id": "r0"}  # r0 is now the most recently used
@@ -42,9 +66,9 @@ def test_store_evicts_least_recently_used_beyond_max_entries():
     assert store.delete("r4") and not store.delete("r4") and len(store) == 2
 
 
-def test_store_expires_by_age_whatever_the_use():
+def test_store_expires_by_age_whatever_the_use(make_store):
     clock = Clock()
-    store = ResponseStore(max_entries=10, ttl=60, clock=clock)
+    store = make_store(max_entries=10, ttl=60, clock=clock)
     store.put("old", entry(0))
     clock.now += 30
     store.put("young", entry(1))
@@ -54,20 +78,84 @@ def test_store_expires_by_age_whatever_the_use():
     assert store.get("old") is None and store.get("young") is not None and len(store) == 1
     clock.now += 30
     assert store.get("young") is None and len(store) == 0
+    store.put("dying", entry(2))
+    clock.now += 59.5
+    assert store.delete("dying") is True
+    store.put("dying", entry(2))
+    clock.now += 60
+    assert store.delete("dying") is False and len(store) == 0  # expired: nothing left to delete
 
 
-def test_store_of_size_zero_keeps_nothing_and_bad_bounds_are_refused():
-    store = ResponseStore(max_entries=0, ttl=60)
+def test_store_of_size_zero_keeps_nothing_and_bad_bounds_are_refused(make_store):
+    store = make_store(max_entries=0, ttl=60)
     store.put("r", entry(0))
-    assert store.get("r") is None
+    assert store.get("r") is None and len(store) == 0
     with pytest.raises(ValueError, match="max_entries"):
-        ResponseStore(max_entries=-1)
+        make_store(max_entries=-1)
     with pytest.raises(ValueError, match="ttl"):
-        ResponseStore(ttl=0)
+        make_store(ttl=0)
 
 
-def test_proxy_store_bounds(fake_server, engine, start_proxy):
-    proxy = start_proxy(engines=[fake_server.target], responses_store_size=2, responses_store_ttl=60)
+def test_sqlite_store_round_trips_entries_exactly(tmp_path):
+    store = SqliteResponseStore(str(tmp_path / "s.sqlite"), clock=Clock())
+    messages = [
+        ChatMessageParam(role="system", content="Be brief."),
+        ChatMessageParam.model_validate({"role": "user", "name": "ada", "content": [
+            {"type": "text", "text": "héllo \u2603 \"quoted\""}, {"type": "input_image"}]}),
+        ChatMessageParam.model_validate({"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "function": {"name": "add", "arguments": '{"a": 1.5e-7, "b": [1, 2]}'}}]}),
+        ChatMessageParam(role="tool", tool_call_id="call_1", content="5"),
+    ]
+    response = {"id": "resp_1", "created_at": 1764057600, "temperature": 0.7, "output": [
+        {"type": "message", "content": [{"type": "output_text", "text": "ünïcode\n", "annotations": []}]}],
+        "metadata": {}, "usage": None, "store": True}
+    store.put("resp_1", StoredResponse(response=response, messages=messages))
+    got = store.get("resp_1")
+    assert got.response == response and got.created == 1000.0
+    assert got.messages == messages  # pydantic equality ignores which fields were set: compare those too
+    assert [m.model_fields_set for m in got.messages] == [m.model_fields_set for m in messages]
+    assert [type(m.content) for m in got.messages] == [str, list, type(None), str]
+    store.close()
+
+
+_CHILD = """
+import sys
+from rest_proxy.responses_store import SqliteResponseStore, StoredResponse
+store = SqliteResponseStore(sys.argv[1], max_entries=int(sys.argv[2]), ttl=60)
+for response_id in sys.argv[3:]:
+    store.put(response_id, StoredResponse(response={"id": response_id}, messages=[]))
+"""
+
+
+def put_in_child(path: str, max_entries: int, *ids: str) -> subprocess.Popen:
+    """Another process (as another worker is) putting `ids` into the store file."""
+    return subprocess.Popen([sys.executable, "-c", _CHILD, path, str(max_entries), *ids], cwd=ROOT)
+
+
+def test_sqlite_store_is_shared_by_processes(tmp_path):
+    path = str(tmp_path / "shared.sqlite")
+    # Several processes open the same new file at once and write concurrently: none is refused.
+    children = [put_in_child(path, 1000, *(f"c{c}-{n}" for n in range(50))) for c in range(4)]
+    assert [child.wait(60) for child in children] == [0] * 4
+    store = SqliteResponseStore(path, max_entries=1000, ttl=60)
+    assert len(store) == 200 and store.get("c3-49").response == {"id": "c3-49"}
+    # Use in this process orders eviction in the others: the LRU order is the file's.
+    path = str(tmp_path / "lru.sqlite")
+    assert put_in_child(path, 3, "r0", "r1", "r2").wait(60) == 0
+    store = SqliteResponseStore(path, max_entries=3, ttl=60)
+    assert store.get("r0").response == {"id": "r0"}
+    assert put_in_child(path, 3, "r3").wait(60) == 0
+    assert store.get("r1") is None and [k for k in ("r0", "r2", "r3") if store.get(k)] == ["r0", "r2", "r3"]
+    assert store.delete("r3") and put_in_child(path, 3, "r4", "r5").wait(60) == 0
+    assert [k for k in ("r0", "r2", "r4", "r5") if store.get(k)] == ["r2", "r4", "r5"]
+
+
+@pytest.mark.parametrize("store_file", [False, True], ids=["memory", "sqlite"])
+def test_proxy_store_bounds(fake_server, engine, start_proxy, tmp_path, store_file):
+    path = str(tmp_path / "responses.sqlite") if store_file else None
+    proxy = start_proxy(engines=[fake_server.target], responses_store_size=2, responses_store_ttl=60,
+                        responses_store_path=path)
+    assert type(proxy.app.state.responses_store) is (SqliteResponseStore if store_file else MemoryResponseStore)
     client = OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=30)
     clock = Clock()
     proxy.app.state.responses_store.clock = clock
