@@ -223,3 +223,53 @@ def test_listening_sockets_share_one_port():
     finally:
         for s in sockets:
             s.close()
+
+
+def test_workers_share_stored_responses_and_remove_their_folder(workers_proxy, engine):
+    """Follow-ups, GET and DELETE of stored responses work whichever worker each request lands on."""
+    proxy = workers_proxy(2)
+    state_dirs = [p for p in proxy.tmpdir.iterdir() if p.name.startswith("rest-proxy-state-")]
+    assert len(state_dirs) == 1 and (state_dirs[0] / "responses.sqlite").is_file()
+    num_conversations, num_turns = 8, 3
+    for c in range(num_conversations):
+        for t in range(num_turns):
+            engine.script[f"turn {t} of {c}"] = f"answer {t} of {c}"
+    before = proxy.worker_requests()
+
+    def converse(c: int) -> list[str]:
+        ids: list[str] = []
+        for t in range(num_turns):  # each request on a connection of its own: any worker may get it
+            with sdk(proxy) as client:
+                resp = client.responses.create(model="fake-model", input=f"turn {t} of {c}",
+                                               previous_response_id=ids[-1] if ids else None)
+            assert resp.output_text == f"answer {t} of {c}" and resp.previous_response_id == (ids or [None])[-1]
+            ids.append(resp.id)
+        for t, response_id in enumerate(ids):
+            got = httpx.get(f"{proxy.url}/v1/responses/{response_id}", timeout=30)
+            assert got.status_code == 200 and got.json()["output"][0]["content"][0]["text"] == f"answer {t} of {c}"
+        return ids
+
+    with ThreadPoolExecutor(num_conversations) as pool:
+        conversations = list(pool.map(converse, range(num_conversations)))
+    for c in range(num_conversations):
+        # The last turn's prompt is the whole conversation, from the store whichever worker wrote it.
+        history = "".join(f"<|im_start|>user\nturn {t} of {c}<|im_end|>\n<|im_start|>assistant\n"
+                          f"answer {t} of {c}<|im_end|>\n" for t in range(num_turns - 1))
+        last = f"{history}<|im_start|>user\nturn {num_turns - 1} of {c}<|im_end|>\n<|im_start|>assistant\n"
+        assert engine.prompts.count(last) == 1, (last, engine.prompts)
+    for ids in conversations:  # DELETE on one connection, the checks on others
+        deleted = httpx.delete(f"{proxy.url}/v1/responses/{ids[-1]}", timeout=30)
+        assert deleted.json() == {"id": ids[-1], "object": "response.deleted", "deleted": True}
+        assert httpx.get(f"{proxy.url}/v1/responses/{ids[-1]}", timeout=30).status_code == 404
+        assert httpx.delete(f"{proxy.url}/v1/responses/{ids[-1]}", timeout=30).status_code == 404
+        follow = httpx.post(proxy.url + "/v1/responses", timeout=30, json={
+            "model": "fake-model", "input": "more", "previous_response_id": ids[-1]})
+        assert follow.status_code == 404 and follow.json()["error"]["code"] == "previous_response_not_found"
+        assert httpx.get(f"{proxy.url}/v1/responses/{ids[0]}", timeout=30).status_code == 200
+    after = proxy.worker_requests()
+    served = {pid: after[pid] - before[pid] for pid in after}
+    # 8 * (3 + 3 + 5) requests, each connection hashed to one of 2 workers: all on one has probability 2**-87.
+    assert sorted(after) == sorted(before) and sum(served.values()) == 88 and all(served.values()), served
+    proxy.stop()
+    assert proxy.process.returncode == 0
+    assert [p for p in proxy.tmpdir.iterdir() if p.name.startswith("rest-proxy-state-")] == []
