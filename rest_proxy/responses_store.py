@@ -13,7 +13,9 @@ with `store: false`.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -146,11 +148,12 @@ class SqliteResponseStore:
     """`ResponseStore` in a SQLite file (WAL mode) that several processes open at once: one table, each
     call one short write transaction. Entries are JSON: `get` returns a copy, equal to what was put.
 
-    NOTE: the calls are synchronous, on the event loop, without a thread hop. The file is local and each
-    call touches a few B-tree pages without an fsync (synchronous=OFF: the file lives only as long as the
-    proxy, so a power cut loses nothing that would outlive it); a call costs about as much as handing it to
-    a thread would, and the JSON encoding, the bulk of the time for a long response, holds the GIL either
-    way (docs/proxy.md, "Stored responses", has the measurement)."""
+    NOTE: the calls are synchronous, on the event loop, without a thread hop: the file is local, each call
+    touches a few B-tree pages without an fsync (synchronous=OFF: the file lives only as long as the proxy,
+    so a power cut loses nothing that would outlive it), and processes wait for each other on flock, which
+    hands the lock on at once. Measured, a call costs about what handing it to a thread costs, and the JSON
+    encoding, the bulk of a long response's time, holds the GIL in a thread too (docs/proxy.md, "Stored
+    responses", has the numbers)."""
 
     path: str
     max_entries: int = 1000
@@ -158,14 +161,17 @@ class SqliteResponseStore:
     clock: Callable[[], float] = time.time
     _db: sqlite3.Connection = field(init=False, repr=False)
     _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
+    _lock_fd: int = field(init=False, repr=False)  # `path`.lock: the processes' write lock
 
     def __post_init__(self) -> None:
         _check_bounds(self.max_entries, self.ttl)
+        self._lock_fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
         # isolation_level None: transactions are the explicit BEGIN IMMEDIATE of _transaction.
         # check_same_thread False: _lock serializes the callers (tests read len() from another thread).
         self._db = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None,
                                    check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
+        with self._lock, _flocked(self._lock_fd):  # the first process makes it a WAL file, the others see one
+            self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=OFF")
         with self._transaction(expire=False):
             for statement in _SCHEMA.split(";"):
@@ -205,19 +211,33 @@ class SqliteResponseStore:
 
     def close(self) -> None:
         self._db.close()
+        os.close(self._lock_fd)
 
     @contextmanager
     def _transaction(self, expire: bool = True) -> Iterator[float]:
         """One write transaction (IMMEDIATE: it takes the write lock first, so two processes never both
         read and then both try to upgrade), with the expired entries gone at its start; yields clock()."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                now = self.clock()
-                if expire:
-                    self._db.execute("DELETE FROM responses WHERE created <= ?", (now - self.ttl,))
-                yield now
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+            # NOTE: processes queue on flock, which wakes the next one as soon as the lock is released,
+            # rather than on SQLite's busy handler, which sleeps 1, 2, 5, ... 100 ms between retries (on the
+            # event loop) and can keep missing the lock while other processes write.
+            with _flocked(self._lock_fd):
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    now = self.clock()
+                    if expire:
+                        self._db.execute("DELETE FROM responses WHERE created <= ?", (now - self.ttl,))
+                    yield now
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+
+
+@contextmanager
+def _flocked(fd: int) -> Iterator[None]:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
