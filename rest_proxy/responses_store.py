@@ -217,21 +217,20 @@ class SqliteResponseStore:
     def _transaction(self, expire: bool = True) -> Iterator[float]:
         """One write transaction (IMMEDIATE: it takes the write lock first, so two processes never both
         read and then both try to upgrade), with the expired entries gone at its start; yields clock()."""
-        with self._lock:
-            # NOTE: processes queue on flock, which wakes the next one as soon as the lock is released,
-            # rather than on SQLite's busy handler, which sleeps 1, 2, 5, ... 100 ms between retries (on the
-            # event loop) and can keep missing the lock while other processes write.
-            with _flocked(self._lock_fd):
-                self._db.execute("BEGIN IMMEDIATE")
-                try:
-                    now = self.clock()
-                    if expire:
-                        self._db.execute("DELETE FROM responses WHERE created <= ?", (now - self.ttl,))
-                    yield now
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
-                self._db.execute("COMMIT")
+        # NOTE: processes queue on flock, which wakes the next one as soon as the lock is released,
+        # rather than on SQLite's busy handler, which sleeps 1, 2, 5, ... 100 ms between retries (on the
+        # event loop) and can keep missing the lock while other processes write.
+        with self._lock, _flocked(self._lock_fd):
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                now = self.clock()
+                if expire:
+                    self._db.execute("DELETE FROM responses WHERE created <= ?", (now - self.ttl,))
+                yield now
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
 
 @contextmanager

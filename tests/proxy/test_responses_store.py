@@ -17,9 +17,13 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from rest_proxy.errors import ProxyError
-from rest_proxy.responses_output import ResponseBuilder
 from rest_proxy.protocol import ChatMessageParam
-from rest_proxy.responses_store import MemoryResponseStore, SqliteResponseStore, StoredResponse
+from rest_proxy.responses_output import ResponseBuilder
+from rest_proxy.responses_store import (
+    MemoryResponseStore,
+    SqliteResponseStore,
+    StoredResponse,
+)
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 ROOT = Path(__file__).parent.parent.parent
