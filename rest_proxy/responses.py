@@ -162,8 +162,8 @@ class ResponsesService:
 
 
 def _not_found(response_id: str) -> ProxyError:
-    return ProxyError(404, f"No response found with id {response_id!r} (responses are kept in the memory of the "
-                           f"proxy replica that served them, for a bounded time)", param="response_id",
+    return ProxyError(404, f"No response found with id {response_id!r} (responses are kept by the proxy "
+                           f"replica that served them, shared by its workers, for a bounded time)", param="response_id",
                       code="response_not_found")
 
 
