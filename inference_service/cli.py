@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dequantize", action="store_true",
                    help="expand a GGUF's Q4_0/Q4_1/Q8_0 weights to --dtype at load; by default they stay in their "
                         "blocks on a CPU and run in place (a fifth to a quarter of the memory read per token)")
+    m.add_argument("--quantization", "-q", default=None, choices=["fp8", "int8", "int4"],
+                   help="quantize a 16-bit checkpoint's projections at load (fp8 e4m3 per channel, int8 per "
+                        "channel, int4 group 128; GPU kernels). GPTQ/AWQ/compressed-tensors/fp8 checkpoints "
+                        "load quantized without it")
     m.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights for the architecture in --model's config.json (benchmarks)")
     m.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
@@ -163,6 +167,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         embedding_pooling=args.embedding_pooling,
         load_format=args.load_format,
         dequantize=args.dequantize,
+        quantization=args.quantization,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         max_cuda_graph_batch_size=args.max_cuda_graph_batch_size,

@@ -84,6 +84,8 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" (read the checkpoint) or "dummy" (random weights for a config.json)
     # Expand quantized GGUF weights at load instead of running them in their blocks (CPU, float32).
     dequantize: bool = False
+    # In-situ quantization of a 16-bit checkpoint's projections at load: "fp8", "int8", "int4" or None.
+    quantization: str | None = None
     attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton"
     enforce_eager: bool = False  # no CUDA graphs: every step launches its kernels one by one
     # Largest decode batch captured as a CUDA graph (larger ones run eagerly); None = --max-num-seqs, so every
@@ -121,6 +123,10 @@ class EngineConfig:
             raise ValueError(f"--load-format must be auto or dummy, got {self.load_format!r}")
         if self.load_format == "dummy" and not self.model:
             raise ValueError("--load-format dummy needs --model naming a folder with a config.json")
+        if self.quantization not in (None, "fp8", "int8", "int4"):
+            raise ValueError(f"--quantization must be fp8, int8 or int4, got {self.quantization!r}")
+        if self.quantization is not None and self.dequantize:
+            raise ValueError("--quantization and --dequantize contradict each other: give one")
         if self.max_cuda_graph_batch_size is not None and self.max_cuda_graph_batch_size < 1:
             raise ValueError(f"--max-cuda-graph-batch-size must be >= 1, got {self.max_cuda_graph_batch_size}")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):

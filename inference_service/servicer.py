@@ -232,6 +232,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             embedding_dimensions=embedder.embedding_dimensions if embedder is not None else 0,
             model_path=model.model_path,
             engine_version=ENGINE_VERSION,
+            quantization=model.quantization,
+            quantization_bits=model.quantization_bits,
+            weight_bytes=model.weight_bytes,
         )
         if info is None:
             return response

@@ -24,13 +24,20 @@ class ModelInfo:
     model_path: str
     dtype: str  # torch dtype without the prefix: bfloat16, float32, ...
     device: str
+    quantization: str = "none"  # "none", "gptq", "awq", "compressed-tensors", "fp8", "gguf", "in-situ int4", ...
+    quantization_bits: int = 16  # bits of the quantized projections' weights (16: none)
+    weight_bytes: int = 0  # device memory of the weights
 
     @classmethod
     def of(cls, loaded: LoadedModel, served_name: str | None, device: torch.device, dtype: torch.dtype) -> ModelInfo:
         cfg = loaded.config
         return cls(name=served_name or loaded.model_name, family=cfg.model_type, architecture=cfg.architecture,
                    vocab_size=cfg.vocab_size, model_path=loaded.model_path,
-                   dtype=str(dtype).removeprefix("torch."), device=str(device))
+                   dtype=str(dtype).removeprefix("torch."), device=str(device),
+                   **({} if loaded.quantization is None else {
+                       "quantization": loaded.quantization.quantization,
+                       "quantization_bits": loaded.quantization.bits,
+                       "weight_bytes": loaded.quantization.weight_bytes}))
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,5 +41,6 @@ def load_model_for(config: EngineConfig) -> ModelOnDevice:
     dtype = resolve_dtype(config.dtype, device)
     loaded = load_model(config.model, device=device, dtype=dtype, yarn_scaling_factor=config.yarn_scaling_factor,
                         load_format=config.load_format, attention_backend=config.attention_backend,
-                        seed=config.seed, quantized_weights=not config.dequantize)
+                        seed=config.seed, quantized_weights=not config.dequantize,
+                        quantization=config.quantization)
     return ModelOnDevice(loaded, device, dtype)

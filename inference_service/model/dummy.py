@@ -101,11 +101,18 @@ def byte_tokenizer(vocab_size: int = 258) -> Tokenizer:
 
 
 def load_dummy_model(path: str, *, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
-                     attention_backend: str = "auto", config: ModelConfig | None = None):
-    """(config, model, tokenizer, name) of the architecture at `path` with random weights."""
+                     attention_backend: str = "auto", config: ModelConfig | None = None,
+                     keep_plain_weights: bool = False):
+    """(config, model, tokenizer, name) of the architecture at `path` with random weights.
+    `keep_plain_weights`: projections keep their [out, in] weight (not CPU-packed), to be re-quantized."""
     config = config or read_dummy_config(path)
     backend = get_attention_backend(device, attention_backend)
-    model = DecoderModel(config, device=device, dtype=dtype, attention_backend=backend)
+    linear_cls = None
+    if keep_plain_weights:
+        from inference_service.model.fused_stack import GemvLinear  # noqa: PLC0415 - a DenseLinear that never packs
+
+        linear_cls = GemvLinear
+    model = DecoderModel(config, device=device, dtype=dtype, attention_backend=backend, linear_cls=linear_cls)
     init_dummy_weights(model, seed)
     model.finish_loading()  # norm scales; on the CPU the oneDNN layout, as after a real load
     folder = path if os.path.isdir(path) else os.path.dirname(path)

@@ -3,6 +3,7 @@ their blocks (`QuantizedWeight`) for the CPU kernels that execute them in place.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +14,8 @@ import torch
 from inference_service.cpu_kernels.quant import QuantizedWeight, QuantType
 from inference_service.errors import UnsupportedModelError
 from inference_service.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
@@ -94,12 +97,17 @@ class GGUFCheckpoint:
     def model_name(self) -> str | None:
         return self.metadata.get("general.name")
 
-    def weights(self, dtype: torch.dtype = torch.float32, *, keep_quantized: bool = False
-                ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    def weights(self, dtype: torch.dtype = torch.float32, *, keep_quantized: bool = False,
+                gpu_packed: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         """Yield (HF name, tensor in `dtype`) one at a time, so memory stays one tensor deep.
 
         With `keep_quantized`, matrices of the types the CPU kernels execute (`QuantType`) come as
-        `QuantizedWeight`s in their blocks instead of dequantized."""
+        `QuantizedWeight`s in their blocks instead of dequantized. With `gpu_packed`, decoder-block
+        projections of the types the GPU kernels run (`GGUF_PACKED_TYPES`) come repacked
+        (`IntPackedWeight`, CPU memory); other types are dequantized, and logged once per type."""
+        if gpu_packed:
+            yield from self._gpu_packed_weights(dtype)
+            return
         config = self.config
         permuted = self.architecture == "llama"
         for name, tensor in self._tensors.items():
@@ -125,6 +133,45 @@ class GGUFCheckpoint:
             if not array.flags.writeable:  # F32 tensors are views of the read-only file mapping
                 array = array.copy()
             yield hf_name, torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+
+    def _gpu_packed_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, object]]:
+        from inference_service.model.quant.gguf_types import GGUF_PACKED_TYPES, repack_reader_tensor
+        from inference_service.model.quant.loading import IN_SITU_PROJECTIONS
+        from inference_service.model.quant.rows import select_rows
+
+        packed = {name: tensor for name, tensor in self._tensors.items()
+                  if tensor.tensor_type.name in GGUF_PACKED_TYPES and len(tensor.shape) == 2
+                  and hf_tensor_name(name).split(".")[-2] in IN_SITU_PROJECTIONS}
+        expanded = sorted({t.tensor_type.name for n, t in self._tensors.items() if n not in packed and len(t.shape) == 2
+                           and hf_tensor_name(n).split(".")[-2] in IN_SITU_PROJECTIONS
+                           and t.tensor_type.name not in ("F32", "F16", "BF16")})
+        if expanded:
+            logger.info("GGUF types %s have no GPU kernel: their projections are dequantized to %s at load",
+                        ", ".join(expanded), dtype)
+        for name, tensor in self._tensors.items():
+            if name == ROPE_FREQS:
+                continue
+            hf_name = hf_tensor_name(name)
+            num_heads = self._rope_heads(hf_name)
+            if name in packed:
+                weight = repack_reader_tensor(tensor)
+                if num_heads is not None:
+                    weight = select_rows(weight, unpermute_rope_rows(np.arange(weight.shape[0]), num_heads))
+                yield hf_name, weight
+                continue
+            array = self._dequantize(tensor)
+            if num_heads is not None:
+                array = unpermute_rope_rows(array, num_heads)
+            yield hf_name, torch.from_numpy(np.array(array)).to(dtype)  # a copy: F32 tensors map the file
+
+    def _rope_heads(self, hf_name: str) -> int | None:
+        if self.architecture != "llama":
+            return None
+        if ".self_attn.q_proj." in hf_name:
+            return self.config.num_attention_heads
+        if ".self_attn.k_proj." in hf_name:
+            return self.config.num_key_value_heads
+        return None
 
     @staticmethod
     def _dequantize(tensor) -> np.ndarray:

@@ -18,6 +18,7 @@ from inference_service.model.bert import BertConfig, BertModel
 from inference_service.model.config import ModelConfig, with_yarn_scaling
 from inference_service.model.decoder import DecoderModel
 from inference_service.model.pooling import PoolingConfig
+from inference_service.model.quant.loading import QuantizationSummary
 from inference_service.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ class LoadedModel:
     model_name: str
     # The folder's sentence-transformers pooling (modules.json), when it has one.
     pooling: PoolingConfig | None = None
+    # What the decoder's weights are (quantization, bits, bytes); None for an encoder.
+    quantization: QuantizationSummary | None = None
 
     @property
     def is_encoder(self) -> bool:
@@ -78,7 +81,8 @@ def default_model_path() -> str:
 
 def load_model(path: str | None = None, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                yarn_scaling_factor: float | None = None, load_format: str = "auto",
-               attention_backend: str = "auto", seed: int = 0, quantized_weights: bool = True) -> LoadedModel:
+               attention_backend: str = "auto", seed: int = 0, quantized_weights: bool = True,
+               quantization: str | None = None) -> LoadedModel:
     """Load a model from a `.gguf` file or a HF folder (`config.json` + safetensors); None = the default.
 
     Weights are dequantized / cast to `dtype` on `device`, except that with `quantized_weights` a GGUF's
@@ -86,12 +90,20 @@ def load_model(path: str | None = None, *, device: str | torch.device = "cpu", d
     kernels (`cpu_kernels/`). Never downloads anything. Raises
     `UnsupportedModelError` naming the architecture, tensor or dtype it cannot serve.
 
+    A safetensors folder whose config.json has a `quantization_config` (GPTQ, AWQ, compressed-tensors,
+    fp8) loads packed, as does a GGUF's Q-types on CUDA (`model/quantization.py`); `quantization`
+    (fp8, int8, int4) quantizes a 16-bit checkpoint's projections at load.
+
     `load_format="dummy"`: `path` is a folder with only a `config.json`; weights are random (seeded by
     `seed`, see `model/dummy.py`). `attention_backend`: "auto", "torch" or "triton"."""
+    from inference_service.model import quantization as quant  # noqa: PLC0415 - imports Triton
+
     if load_format not in LOAD_FORMATS:
         raise UnsupportedModelError(f"load format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    quant.check_in_situ(quantization)
     if load_format == "dummy":
-        return _load_dummy(path, device, dtype, yarn_scaling_factor, attention_backend, seed)
+        loaded = _load_dummy(path, device, dtype, yarn_scaling_factor, attention_backend, seed, quantization)
+        return _with_summary(loaded, f"in-situ {quantization}" if quantization else "none")
     path = path or default_model_path()
     alias_path = resolve_model_alias(path) if not os.path.exists(path) else None
     alias, path = (path.lower(), alias_path) if alias_path else (None, path)
@@ -101,25 +113,42 @@ def load_model(path: str | None = None, *, device: str | torch.device = "cpu", d
         raise UnsupportedModelError(f"unsupported model dtype {dtype}")
     if os.path.isdir(path) and _is_bert_dir(path):
         return _load_encoder(path, alias, device, dtype)
+    label = f"in-situ {quantization}" if quantization else "none"
     if os.path.isdir(path):
-        config, weights, tokenizer, name = _open_hf_dir(path, dtype)
+        config, weights, tokenizer, name, spec = _open_hf_dir(path, dtype, device, quantization)
+        label = quant.spec_label(spec) if spec is not None else label
     elif path.endswith(".gguf"):
-        keep_quantized = quantized_weights and _can_execute_quantized(device, dtype)
-        config, weights, tokenizer, name = _open_gguf(path, dtype, keep_quantized)
+        gpu_packed = quantized_weights and quantization is None and torch.device(device).type == "cuda"
+        keep_quantized = quantized_weights and quantization is None and _can_execute_quantized(device, dtype)
+        config, weights, tokenizer, name = _open_gguf(path, dtype, keep_quantized, gpu_packed)
+        label = "gguf" if gpu_packed else label
+        spec = "gguf" if gpu_packed else None
     else:
         raise UnsupportedModelError(f"model path {path!r} is neither a .gguf file nor a folder")
+    if quantization:
+        weights = quant.in_situ_weights(weights, quantization, device)
     if yarn_scaling_factor:
         config = with_yarn_scaling(config, yarn_scaling_factor)
     model = DecoderModel(config, device=device, dtype=dtype,
-                         attention_backend=get_attention_backend(device, attention_backend))
+                         attention_backend=get_attention_backend(device, attention_backend),
+                         linear_cls=quant.QuantizedLinear if spec is not None or quantization else None)
     model.load_weights(weights)
     pooling = _decoder_pooling(path) if os.path.isdir(path) else None
-    return LoadedModel(config=config, model=model, tokenizer=tokenizer, model_path=os.path.abspath(path),
-                       model_name=alias or name, pooling=pooling)
+    return _with_summary(LoadedModel(config=config, model=model, tokenizer=tokenizer,
+                                     model_path=os.path.abspath(path), model_name=alias or name, pooling=pooling),
+                         label)
+
+
+def _with_summary(loaded: LoadedModel, label: str) -> LoadedModel:
+    from inference_service.model.quantization import summarize_model  # noqa: PLC0415
+
+    loaded.quantization = summarize_model(loaded.model, label)
+    logger.info("%s", loaded.quantization.log_line())
+    return loaded
 
 
 def _load_dummy(path: str | None, device, dtype: torch.dtype, yarn_scaling_factor: float | None,
-                attention_backend: str, seed: int) -> LoadedModel:
+                attention_backend: str, seed: int, quantization: str | None = None) -> LoadedModel:
     from inference_service.model.dummy import load_dummy_model, read_dummy_config
 
     if not path or not os.path.exists(path):
@@ -130,7 +159,12 @@ def _load_dummy(path: str | None, device, dtype: torch.dtype, yarn_scaling_facto
     if yarn_scaling_factor:
         config = with_yarn_scaling(config, yarn_scaling_factor)
     config, model, tokenizer, name = load_dummy_model(path, device=device, dtype=dtype, seed=seed,
-                                                      attention_backend=attention_backend, config=config)
+                                                      attention_backend=attention_backend, config=config,
+                                                      keep_plain_weights=quantization is not None)
+    if quantization:
+        from inference_service.model.quantization import quantize_loaded_model  # noqa: PLC0415
+
+        model = quantize_loaded_model(model, quantization)
     return LoadedModel(config=config, model=model, tokenizer=tokenizer, model_path=os.path.abspath(path),
                        model_name=name)
 
@@ -172,25 +206,32 @@ def _can_execute_quantized(device: str | torch.device, dtype: torch.dtype) -> bo
     return torch.device(device).type == "cpu" and dtype == torch.float32 and load_extension() is not None
 
 
-def _open_gguf(path: str, dtype: torch.dtype, keep_quantized: bool):
+def _open_gguf(path: str, dtype: torch.dtype, keep_quantized: bool, gpu_packed: bool = False):
     from inference_service.model.gguf_loader import GGUFCheckpoint
 
     checkpoint = GGUFCheckpoint(path)
     tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata)
     # "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct": clients name the model, not its quantization.
     name = re.sub(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", "", os.path.basename(path)[: -len(".gguf")], flags=re.IGNORECASE)
-    return checkpoint.config, checkpoint.weights(dtype, keep_quantized=keep_quantized), tokenizer, name
+    return (checkpoint.config, checkpoint.weights(dtype, keep_quantized=keep_quantized, gpu_packed=gpu_packed),
+            tokenizer, name)
 
 
-def _open_hf_dir(path: str, dtype: torch.dtype):
+def _open_hf_dir(path: str, dtype: torch.dtype, device: str | torch.device, quantization: str | None):
+    from inference_service.model.quantization import quantized_safetensors_weights, read_quant_spec
+
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise UnsupportedModelError(f"{path!r} has no config.json")
     with open(config_file, encoding="utf-8") as f:
-        config = ModelConfig.from_hf_dict(json.load(f))
+        hf_config = json.load(f)
+    config = ModelConfig.from_hf_dict(hf_config)
+    spec = read_quant_spec(hf_config, quantization)
     files = _safetensors_files(path)
     tokenizer = Tokenizer.from_hf_dir(path)
-    return config, _safetensors_weights(files, dtype), tokenizer, os.path.basename(os.path.normpath(path))
+    weights = (_safetensors_weights(files, dtype) if spec is None
+               else quantized_safetensors_weights(files, spec, dtype, device))
+    return config, weights, tokenizer, os.path.basename(os.path.normpath(path)), spec
 
 
 def _safetensors_files(path: str) -> list[str]:

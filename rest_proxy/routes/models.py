@@ -18,8 +18,12 @@ def model_card(info: pb.GetModelInfoResponse) -> dict:
     # NOTE: the file's name, never its path: where models live on the engines' disks is not the
     # clients' business.
     root = PurePath(info.model_path.rstrip("/\\")).name or info.model_name
-    return {"id": info.model_name, "object": "model", "created": _CREATED, "owned_by": "inference-service",
+    card = {"id": info.model_name, "object": "model", "created": _CREATED, "owned_by": "inference-service",
             "root": root, "max_model_len": info.max_context_length}
+    if info.quantization:  # an engine older than the field says nothing rather than "none"
+        card["quantization"] = {"method": info.quantization, "bits": info.quantization_bits,
+                                "weight_bytes": info.weight_bytes}
+    return card
 
 
 @router.get("/v1/models")

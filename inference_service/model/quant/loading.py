@@ -4,12 +4,13 @@ startup log report (quantization, bits, weight memory)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
 
-from inference_service.model.quant.config import QuantMethod, QuantSpec
+from inference_service.model.quant.config import QuantizationConfigError, QuantMethod, QuantSpec
 from inference_service.model.quant.summary import PackedWeight, describe_weight
 
 # The tensor that marks a quantized layer, and every suffix the layer owns, per method.
@@ -19,7 +20,13 @@ _SUFFIXES = {QuantMethod.GPTQ: ("qweight", "qzeros", "scales", "g_idx"),
              QuantMethod.PACKED_INT: ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"),
              QuantMethod.FP8: ("weight", "weight_scale", "weight_scale_inv", "input_scale")}
 # Linear layers of a decoder block that in-situ quantization takes (embeddings, lm_head, norms stay).
-IN_SITU_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Our fused names too: a loaded model's projections are re-quantized by them (`quantize_loaded_model`).
+IN_SITU_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                       "qkv_proj", "gate_up_proj")
+# safetensors dtypes of the tensors outside quantized layers (cast to the model dtype).
+_PLAIN_DTYPES = {"F32", "F16", "BF16"}
+# Buffers some checkpoints save beside the weights; never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embeddings.position_ids")
 
 
 def group_layer_tensors(names: Iterable[str], spec: QuantSpec) -> tuple[dict[str, dict[str, str]], list[str]]:
@@ -79,3 +86,57 @@ def summarize(weights: Mapping[str, PackedWeight | torch.Tensor], quantization: 
             total += w.nbytes
             unquantized += n * k * 2
     return QuantizationSummary(quantization if packed else "none", max(bits) if bits else 16, total, unquantized)
+
+
+def quantized_safetensors_weights(files: list[str], spec: QuantSpec, dtype: torch.dtype,
+                                  device: torch.device | str) -> Iterator[tuple[str, PackedWeight | torch.Tensor]]:
+    """A quantized checkpoint's tensors as the loader takes them: each quantized layer once, as
+    (`prefix.weight`, its packed form on `device`), every other tensor cast to `dtype`. Tensors of one
+    layer may lie in different shards. A tensor outside a quantized layer in a dtype other than
+    F32/F16/BF16, or a layer the spec says to ignore that came quantized, raises
+    `QuantizationConfigError` naming it (before any work)."""
+    from safetensors import safe_open
+
+    from inference_service.model.quant.checkpoint import pack_checkpoint_linear
+
+    where: dict[str, str] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                where[name] = file
+    layers, rest = group_layer_tensors(where, spec)
+    for prefix in layers:
+        if spec.is_ignored(prefix):
+            raise QuantizationConfigError(prefix, "is listed as not quantized but its tensors are")
+    with ExitStack() as stack:
+        handles = {file: stack.enter_context(safe_open(file, framework="pt")) for file in files}
+        for name in rest:
+            kind = handles[where[name]].get_slice(name).get_dtype()
+            if kind not in _PLAIN_DTYPES and not name.endswith(_IGNORED_SUFFIXES):
+                raise QuantizationConfigError(name, f"dtype {kind} outside a quantized layer (expected one of "
+                                                    f"{sorted(_PLAIN_DTYPES)})")
+        for name in rest:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            tensor = handles[where[name]].get_tensor(name)
+            # NOTE: GPTQ exporters save a zero bias beside every quantized layer, also for models without
+            # biases; adding zero changes nothing, so it is dropped rather than refused.
+            if name.endswith(".bias") and name[: -len(".bias")] in layers and not tensor.any():
+                continue
+            yield name, tensor.to(dtype)
+        for prefix, parts in layers.items():
+            tensors = {suffix: handles[where[name]].get_tensor(name).to(device) for suffix, name in parts.items()}
+            yield f"{prefix}.weight", pack_checkpoint_linear(spec, prefix, tensors)
+
+
+def in_situ_weights(weights: Iterable[tuple[str, object]], method: str, device: torch.device | str
+                    ) -> Iterator[tuple[str, object]]:
+    """`weights` with every decoder-block projection quantized by `quantize_in_situ` on `device` (one
+    tensor at a time, so the 16-bit model is never on the device whole)."""
+    from inference_service.model.quant.in_situ import quantize_in_situ
+
+    for name, tensor in weights:
+        if isinstance(tensor, torch.Tensor) and is_in_situ_target(name, tensor):
+            yield name, quantize_in_situ(tensor.to(device), method)
+        else:
+            yield name, tensor
