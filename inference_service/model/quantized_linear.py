@@ -48,6 +48,7 @@ class QuantizedLinear(LinearBase):
         # holds its 16-bit size on the device, not even while loading.
         self.weight: nn.Parameter | None = None
         self._num_plain_rows = 0
+        self._split_parts: list[tuple[int, PackedWeight]] | None = None  # parts run one by one (finish_loading)
 
     @property
     def is_packed(self) -> bool:
@@ -96,7 +97,11 @@ class QuantizedLinear(LinearBase):
             try:
                 self.packed = concat_rows([w for _, w in parts])
             except ValueError as e:
-                raise UnsupportedModelError(f"cannot stack the quantized parts of one projection: {e}") from e
+                # NOTE: parts that cannot share one weight (GPTQ act-order parts with different g_idx,
+                # fp8 blocks that split a part) each run their own kernel into their rows of the output.
+                logger.info("a projection keeps %d quantized parts apart: %s", len(parts), e)
+                self.packed = parts[0][1]
+                self._split_parts = parts
         else:
             logger.info("a projection of %d rows came %d of them quantized and %d plain: running it in %s",
                         self.out_features, num_packed, self._num_plain_rows, self.dtype)
@@ -107,9 +112,17 @@ class QuantizedLinear(LinearBase):
 
     def dequantized_weight(self) -> torch.Tensor:
         """W [out, in] in the model dtype (the 16-bit twin of a packed weight)."""
+        if self._split_parts is not None:
+            return torch.cat([dequantize_packed(w, self.dtype) for _, w in self._split_parts])
         if self.packed is not None:
             return dequantize_packed(self.packed, self.dtype)
         return self.weight.detach()
+
+    def packed_parts(self) -> list[PackedWeight]:
+        """The packed weights a forward reads (one unless parts are kept apart)."""
+        if self._split_parts is not None:
+            return [w for _, w in self._split_parts]
+        return [] if self.packed is None else [self.packed]
 
     def describe(self) -> dict | None:
         """`describe_weight` of the packed weight; None when plain."""
@@ -117,9 +130,13 @@ class QuantizedLinear(LinearBase):
 
     def num_weight_bytes(self) -> int:
         params = sum(p.numel() * p.element_size() for p in self.parameters())
-        return params + (0 if self.packed is None else self.packed.nbytes)
+        return params + sum(w.nbytes for w in self.packed_parts())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._split_parts is not None:
+            x = x.contiguous()
+            out = torch.cat([packed_linear(x, w) for _, w in self._split_parts], dim=-1)
+            return out if self.bias is None else out.add_(self.bias)
         if self.packed is not None:
             return packed_linear(x.contiguous(), self.packed, self.bias)
         if x.is_cuda and x.dim() == 2:
