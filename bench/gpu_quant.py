@@ -9,8 +9,10 @@ Sections (results in `--out`/gpu_quant.json and gpu_quant.md; each runs even if 
   pass_b256  batch 256 (the GEMM path): int4 and the others against bf16 (target: int4 no slower).
   memory     GPU memory of the int4 model's weights (packed projections + bf16 embeddings and lm_head).
   sweep      batch-1 GEMV tiles for int4 and Q4_K over the four projection shapes (`--sweep`).
-  served     the engine's own decode (128-token prompt, 512 new tokens, CUDA graphs) with each
-             `--quantization`, when the engine has the option (skipped, with the reason, before then).
+  twins      tiny GPTQ/AWQ/compressed-tensors/fp8 Llamas served in bf16 vs their dequantized twins:
+             first greedy divergence per prompt.
+  served     the engine's own decode (128-token prompt, 512 new tokens, CUDA graphs, batch 1): bf16 and
+             each `--quantization` (int4, int8, fp8) quantized in situ from the same random weights.
 
 Formats: bf16 (the `gemv` kernel at 1-4 rows, cuBLAS past), int4 g128 as GPTQ (constant zero) and AWQ
 (a zeros plane), GGUF Q4_K / Q8_0 layouts, fp8 per channel and fp8 [128, 128] blocks. The weights are
@@ -254,27 +256,36 @@ def gemv_calls(x: torch.Tensor, ws: list[IntPackedWeight], block_n: int, block_k
 
 
 def section_served(results: dict) -> None:
-    """The engine's decode per `--quantization`, as bench/gpu_perf.py measures bf16."""
-    from inference_service.config import EngineConfig
+    """The engine's own decode (LLMEngine.step, CUDA graphs, 128-token prompt, 512 new tokens, batch 1)
+    with bf16 weights and each `--quantization` (in-situ quantized from the same random bf16 weights),
+    as bench/gpu_perf.py measures bf16. Roofline: copy bandwidth / the bytes of weights a step reads."""
+    import dataclasses
 
-    if "quantization" not in EngineConfig.__dataclass_fields__:
-        results["served"] = {"skipped": "EngineConfig has no `quantization` yet (the quantized Linear is not wired "
-                                        "into the model); the weight passes above bound the decode speed"}
-        print(results["served"], flush=True)
-        return
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import gpu_common
     import gpu_perf
 
-    gpu_common.DEVICE = DEVICE.type
-    rows = {}
-    for method in ("int4", "int8", "fp8"):
-        try:
-            loaded, _ = gpu_perf.load_llama()
-            engine = gpu_common.make_engine(loaded.model_path, DEVICE.type, "bfloat16", load_format="dummy",
-                                            loaded=loaded, quantization=method)
-            from inference_service.engine.sampling_params import SamplingParams
+    from inference_service.engine.sampling_params import SamplingParams
+    from inference_service.model.quantization import quantize_loaded_model, summarize_model
 
+    gpu_common.DEVICE = DEVICE.type
+    copy_gbs = results.get("ceilings", {}).get("copy_gbs")
+    dense, load_s = gpu_perf.load_llama()
+    rows = {"load_bf16_s": round(load_s, 1)}
+    targets = {"int4": 400, "fp8": 300}
+    for method in ("bf16", "int4", "int8", "fp8"):
+        engine = None
+        try:
+            t0 = time.perf_counter()
+            if method == "bf16":
+                loaded = dense
+            else:
+                model = quantize_loaded_model(dense.model, method, release=False)
+                loaded = dataclasses.replace(dense, model=model, quantization=summarize_model(model, f"in-situ {method}"))
+            quantize_s = time.perf_counter() - t0
+            weight_bytes = loaded.model.num_weight_bytes
+            engine = gpu_common.make_engine(loaded.model_path, DEVICE.type, "bfloat16", load_format="dummy",
+                                            loaded=loaded)
             params = SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True)
             prompt = torch.randint(0, 128000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
             engine.add_request(engine.input_processor.process("bench", prompt, params))
@@ -282,11 +293,58 @@ def section_served(results: dict) -> None:
             while engine.has_unfinished:
                 engine.step()
                 stamps.append(time.perf_counter())
-            rows[method] = {"decode_tok_s": round(511 / (stamps[-1] - stamps[1]), 1)}
+            tok_s = 511 / (stamps[-1] - stamps[1])
+            row = {"decode_tok_s": round(tok_s, 1), "weight_gb": round(weight_bytes / 1e9, 3),
+                   "quantize_s": round(quantize_s, 1)}
+            if copy_gbs:
+                roofline = copy_gbs / 2 * 1e9 / weight_bytes  # copy GB/s counts read + write
+                row.update(roofline_tok_s=round(roofline, 1), ratio_to_roofline=round(tok_s / roofline, 3))
+            if method in targets:
+                row["target_tok_s"] = targets[method]
+            rows[method] = row
         except Exception as exc:  # noqa: BLE001 - report and go on with the next method
             rows[method] = {"error": f"{type(exc).__name__}: {exc}"}
+            traceback.print_exc()
         print(method, rows[method], flush=True)
+        del engine
+        loaded = model = None
+        gpu_common.free_device_memory()
     results["served"] = rows
+
+
+def section_twins(results: dict) -> None:
+    """Model-level correctness on the device: each tiny quantized Llama (tests/quant/checkpoints.py: GPTQ,
+    GPTQ act-order, AWQ, compressed-tensors w4a16 / fp8, fp8 block) served by the engine in bf16 (CUDA
+    graphs, fused stack) against its dequantized twin: first greedy divergence per prompt (None: same
+    32 tokens)."""
+    import tempfile
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import gpu_common
+
+    from inference_service.engine.sampling_params import SamplingParams
+    from tests.quant.checkpoints import FORMATS, write_quantized
+
+    gpu_common.DEVICE = DEVICE.type
+    prompts = [[(7 * i + 13 * j) % 250 + 1 for j in range(8 + 5 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for fmt in FORMATS:
+            try:
+                folder, twin = write_quantized(fmt, os.path.join(tmp, fmt))
+                outputs = []
+                for path in (folder, twin):
+                    engine = gpu_common.make_engine(path, DEVICE.type, "bfloat16", kv_mib=64)
+                    outputs.append(gpu_common.generate(engine, prompts, params))
+                    del engine
+                    gpu_common.free_device_memory()
+                rows[fmt] = {"first_divergence": [gpu_common.first_divergence(a, b) for a, b in zip(*outputs)]}
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                rows[fmt] = {"error": f"{type(exc).__name__}: {exc}"}
+                traceback.print_exc()
+            print(fmt, rows[fmt], flush=True)
+    results["twins"] = rows
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -324,7 +382,7 @@ def markdown(results: dict) -> str:
                          f"{r['roofline_tok_s']} | {100 * r['ratio_to_roofline']:.0f}% | {r.get('speed_vs_bf16', '')} | "
                          f"{verdict} |")
         lines.append("")
-    for key in ("memory", "served"):
+    for key in ("memory", "twins", "served"):
         if key in results:
             lines += [f"## {key}", "", "```", json.dumps(results[key], indent=1), "```", ""]
     if results.get("sweep"):
@@ -348,6 +406,7 @@ def main() -> None:
                 ("pass_b256", lambda: section_pass(shapes, results, "pass_b256", 256 if not ARGS.smoke else 20)),
                 ("memory", lambda: section_memory(shapes, results)),
                 ("sweep", lambda: section_sweep(shapes, results) if ARGS.sweep else None),
+                ("twins", lambda: section_twins(results) if not ARGS.smoke else None),
                 ("served", lambda: section_served(results) if not ARGS.smoke else None)]
     for name, run in sections:
         if only and name not in only and name != "ceilings":

@@ -72,10 +72,11 @@ def _is_tied(linear: LinearBase, model: DecoderModel) -> bool:
     return weight is not None and weight is model.model.embed_tokens.weight
 
 
-def quantize_loaded_model(model: DecoderModel, method: str) -> DecoderModel:
+def quantize_loaded_model(model: DecoderModel, method: str, *, release: bool = True) -> DecoderModel:
     """A new model with `model`'s weights, its decoder-block projections quantized in situ (`method`:
-    fp8, int8 or int4); `model`'s projections are released one by one as they are taken, so the device
-    holds about one 16-bit copy at most. `model` must keep plain weights (not CPU-packed)."""
+    fp8, int8 or int4). With `release`, `model`'s projections are released one by one as they are
+    taken, so the device holds about one 16-bit copy at most (`model` is unusable after). `model` must
+    keep plain weights (not CPU-packed)."""
     check_in_situ(method)
     quantized = DecoderModel(model.config, device=model.device, dtype=model.dtype,
                              attention_backend=model.attention_backend, fused_kernels=model.fused_kernels,
@@ -89,7 +90,7 @@ def quantize_loaded_model(model: DecoderModel, method: str) -> DecoderModel:
                 raise UnsupportedModelError(f"{name}: the loaded weight was released (CPU-packed); "
                                             "in-situ quantization needs the plain weight")
             yield name, param.detach()
-            if name.endswith("_proj.weight"):
+            if release and name.endswith("_proj.weight"):
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
     quantized.load_weights(in_situ_weights(weights(), method, model.device))
