@@ -285,7 +285,7 @@ def section_served(results: dict) -> None:
             quantize_s = time.perf_counter() - t0
             weight_bytes = loaded.model.num_weight_bytes
             engine = gpu_common.make_engine(loaded.model_path, DEVICE.type, "bfloat16", load_format="dummy",
-                                            loaded=loaded)
+                                            loaded=loaded, max_cuda_graph_batch_size=8)  # batch 1 only
             params = SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True)
             prompt = torch.randint(0, 128000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
             engine.add_request(engine.input_processor.process("bench", prompt, params))
@@ -335,7 +335,7 @@ def section_twins(results: dict) -> None:
                 folder, twin = write_quantized(fmt, os.path.join(tmp, fmt))
                 outputs = []
                 for path in (folder, twin):
-                    engine = gpu_common.make_engine(path, DEVICE.type, "bfloat16", kv_mib=64)
+                    engine = gpu_common.make_engine(path, DEVICE.type, "bfloat16", kv_mib=64, max_cuda_graph_batch_size=8)
                     outputs.append(gpu_common.generate(engine, prompts, params))
                     del engine
                     gpu_common.free_device_memory()
