@@ -297,7 +297,7 @@ def section_served(results: dict) -> None:
             row = {"decode_tok_s": round(tok_s, 1), "weight_gb": round(weight_bytes / 1e9, 3),
                    "quantize_s": round(quantize_s, 1)}
             if copy_gbs:
-                roofline = copy_gbs / 2 * 1e9 / weight_bytes  # copy GB/s counts read + write
+                roofline = copy_gbs * 1e9 / weight_bytes  # as the weight passes' rooflines
                 row.update(roofline_tok_s=round(roofline, 1), ratio_to_roofline=round(tok_s / roofline, 3))
             if method in targets:
                 row["target_tok_s"] = targets[method]
