@@ -9,7 +9,7 @@ Sections (results in `--out`/gpu_quant.json and gpu_quant.md; each runs even if 
   pass_b256  batch 256 (the GEMM path): int4 and the others against bf16 (target: int4 no slower).
   memory     GPU memory of the int4 model's weights (packed projections + bf16 embeddings and lm_head).
   sweep      batch-1 GEMV tiles for int4 and Q4_K over the four projection shapes (`--sweep`).
-  twins      tiny GPTQ/AWQ/compressed-tensors/fp8 Llamas served in bf16 vs their dequantized twins:
+  twins      tiny GPTQ/AWQ/compressed-tensors/fp8 Llamas served vs their dequantized twins (fp32, bf16):
              first greedy divergence per prompt.
   served     the engine's own decode (128-token prompt, 512 new tokens, CUDA graphs, batch 1): bf16 and
              each `--quantization` (int4, int8, fp8) quantized in situ from the same random weights.
@@ -315,8 +315,9 @@ def section_served(results: dict) -> None:
 def section_twins(results: dict) -> None:
     """Model-level correctness on the device: each tiny quantized Llama (tests/quant/checkpoints.py: GPTQ,
     GPTQ act-order, AWQ, compressed-tensors w4a16 / fp8, fp8 block) served by the engine in bf16 (CUDA
-    graphs, fused stack) against its dequantized twin: first greedy divergence per prompt (None: same
-    32 tokens)."""
+    graphs, fused stack) against its dequantized twin, in float32 and in bfloat16: first greedy divergence
+    per prompt (None: the same 32 tokens). fp8 formats also round activations to e4m3 (the twin does not),
+    and bf16 rounds differently on the two paths, so only float32 int formats are expected to agree.)"""
     import tempfile
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -331,17 +332,19 @@ def section_twins(results: dict) -> None:
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in FORMATS:
+            rows[fmt] = {}
             try:
                 folder, twin = write_quantized(fmt, os.path.join(tmp, fmt))
-                outputs = []
-                for path in (folder, twin):
-                    engine = gpu_common.make_engine(path, DEVICE.type, "bfloat16", kv_mib=64, max_cuda_graph_batch_size=8)
-                    outputs.append(gpu_common.generate(engine, prompts, params))
-                    del engine
-                    gpu_common.free_device_memory()
-                rows[fmt] = {"first_divergence": [gpu_common.first_divergence(a, b) for a, b in zip(*outputs)]}
+                for dtype in ("float32", "bfloat16"):
+                    outputs = []
+                    for path in (folder, twin):
+                        engine = gpu_common.make_engine(path, DEVICE.type, dtype, kv_mib=64, max_cuda_graph_batch_size=8)
+                        outputs.append(gpu_common.generate(engine, prompts, params))
+                        del engine
+                        gpu_common.free_device_memory()
+                    rows[fmt][dtype] = [gpu_common.first_divergence(a, b) for a, b in zip(*outputs)]
             except Exception as exc:  # noqa: BLE001 - report and go on
-                rows[fmt] = {"error": f"{type(exc).__name__}: {exc}"}
+                rows[fmt]["error"] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()
             print(fmt, rows[fmt], flush=True)
     results["twins"] = rows
