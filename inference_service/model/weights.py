@@ -47,7 +47,11 @@ def family_weights(spec: FamilySpec, config: ModelConfig,
             if f".{part}" in name:
                 if isinstance(tensor, QuantizedWeight):
                     tensor = tensor.select_rows(order.numpy())
-                else:
+                elif isinstance(tensor, torch.Tensor):
                     tensor = tensor.index_select(0, order)
+                else:  # a GPU-packed weight (model/quant/)
+                    from inference_service.model.quant.rows import select_rows  # noqa: PLC0415
+
+                    tensor = select_rows(tensor, order)
                 break
         yield name, tensor

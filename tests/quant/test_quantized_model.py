@@ -134,6 +134,19 @@ def test_in_situ_quantization_runs_as_its_dequantized_twin(method, bits, fp8_blo
                         TOLERANCE if fp8_block is None else FP8_TOLERANCE)
 
 
+def test_in_situ_quantization_of_a_tied_model_keeps_the_shared_lm_head(tmp_path):
+    folder = save_hf_model(make_hf_model("llama", seed=4, tie_word_embeddings=True, **TINY_LLAMA),
+                           str(tmp_path / "tied"))
+    loaded = load_model(folder, device="cpu", quantization="int4")
+    plain = load_model(folder, device="cpu")
+    model = loaded.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight and not model.lm_head.is_packed
+    assert all(m.is_packed for m in projections(model))
+    assert loaded.quantization.unquantized_bytes == plain.quantization.unquantized_bytes
+    assert loaded.quantization.weight_bytes == model.num_weight_bytes
+    assert_matches_twin(model, dequantized_twin(model, None))
+
+
 def test_in_situ_quantization_of_dummy_weights(tmp_path):
     folder = save_hf_model(make_hf_model("llama", seed=3, **TINY_LLAMA), str(tmp_path / "plain"))
     loaded = load_model(folder, device="cpu", load_format="dummy", quantization="int8")
