@@ -266,7 +266,10 @@ def section_served(results: dict) -> None:
     import gpu_perf
 
     from inference_service.engine.sampling_params import SamplingParams
-    from inference_service.model.quantization import quantize_loaded_model, summarize_model
+    from inference_service.model.quantization import (
+        quantize_loaded_model,
+        summarize_model,
+    )
 
     gpu_common.DEVICE = DEVICE.type
     copy_gbs = results.get("ceilings", {}).get("copy_gbs")

@@ -135,7 +135,10 @@ class GGUFCheckpoint:
             yield hf_name, torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
 
     def _gpu_packed_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, object]]:
-        from inference_service.model.quant.gguf_types import GGUF_PACKED_TYPES, repack_reader_tensor
+        from inference_service.model.quant.gguf_types import (
+            GGUF_PACKED_TYPES,
+            repack_reader_tensor,
+        )
         from inference_service.model.quant.loading import IN_SITU_PROJECTIONS
         from inference_service.model.quant.rows import select_rows
 

@@ -96,7 +96,7 @@ def load_model(path: str | None = None, *, device: str | torch.device = "cpu", d
 
     `load_format="dummy"`: `path` is a folder with only a `config.json`; weights are random (seeded by
     `seed`, see `model/dummy.py`). `attention_backend`: "auto", "torch" or "triton"."""
-    from inference_service.model import quantization as quant  # noqa: PLC0415 - imports Triton
+    from inference_service.model import quantization as quant  # here, not at the top: it imports Triton
 
     if load_format not in LOAD_FORMATS:
         raise UnsupportedModelError(f"load format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -140,7 +140,7 @@ def load_model(path: str | None = None, *, device: str | torch.device = "cpu", d
 
 
 def _with_summary(loaded: LoadedModel, label: str) -> LoadedModel:
-    from inference_service.model.quantization import summarize_model  # noqa: PLC0415
+    from inference_service.model.quantization import summarize_model
 
     loaded.quantization = summarize_model(loaded.model, label)
     logger.info("%s", loaded.quantization.log_line())
@@ -162,7 +162,7 @@ def _load_dummy(path: str | None, device, dtype: torch.dtype, yarn_scaling_facto
                                                       attention_backend=attention_backend, config=config,
                                                       keep_plain_weights=quantization is not None)
     if quantization:
-        from inference_service.model.quantization import quantize_loaded_model  # noqa: PLC0415
+        from inference_service.model.quantization import quantize_loaded_model
 
         model = quantize_loaded_model(model, quantization)
     return LoadedModel(config=config, model=model, tokenizer=tokenizer, model_path=os.path.abspath(path),
@@ -218,7 +218,10 @@ def _open_gguf(path: str, dtype: torch.dtype, keep_quantized: bool, gpu_packed: 
 
 
 def _open_hf_dir(path: str, dtype: torch.dtype, device: str | torch.device, quantization: str | None):
-    from inference_service.model.quantization import quantized_safetensors_weights, read_quant_spec
+    from inference_service.model.quantization import (
+        quantized_safetensors_weights,
+        read_quant_spec,
+    )
 
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):

@@ -15,7 +15,12 @@ import torch
 from inference_service.errors import UnsupportedModelError
 from inference_service.model.decoder import DecoderModel
 from inference_service.model.linear import LinearBase
-from inference_service.model.quant.config import QuantizationConfigError, QuantMethod, QuantSpec, parse_quantization_config
+from inference_service.model.quant.config import (
+    QuantizationConfigError,
+    QuantMethod,
+    QuantSpec,
+    parse_quantization_config,
+)
 from inference_service.model.quant.in_situ import IN_SITU_METHODS
 from inference_service.model.quant.loading import (
     QuantizationSummary,

@@ -140,10 +140,10 @@ class QuantizedLinear(LinearBase):
         if self.packed is not None:
             return packed_linear(x.contiguous(), self.packed, self.bias)
         if x.is_cuda and x.dim() == 2:
-            from inference_service.model.fused_stack import uses_gemv  # noqa: PLC0415 - Triton only on the GPU
+            from inference_service.model.fused_stack import uses_gemv  # Triton: imported on the GPU only
 
             if uses_gemv(x, self.weight.dtype):
-                import kernels  # noqa: PLC0415
+                import kernels
 
                 return kernels.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -50,7 +50,7 @@ def family_weights(spec: FamilySpec, config: ModelConfig,
                 elif isinstance(tensor, torch.Tensor):
                     tensor = tensor.index_select(0, order)
                 else:  # a GPU-packed weight (model/quant/)
-                    from inference_service.model.quant.rows import select_rows  # noqa: PLC0415
+                    from inference_service.model.quant.rows import select_rows
 
                     tensor = select_rows(tensor, order)
                 break

@@ -21,7 +21,7 @@ from tests.model.tiny_models import make_hf_model, save_hf_model
 
 # hidden 128, intermediate 256: K is 128 or 256, so groups of 32..128 fit; head_dim 64 (the GPU attention
 # kernels' smallest, for bench/gpu_quant.py's twins section).
-TINY_LLAMA = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
+TINY_LLAMA = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 

@@ -20,9 +20,9 @@ from inference_service.model.linear import DenseLinear
 from inference_service.model.loader import load_model
 from inference_service.model.quant.config import QuantizationConfigError
 from inference_service.model.quantized_linear import QuantizedLinear
+from kernels.fp8_gemm import quantize_fp8_groups
 from tests.model.harness import PagedHarness
 from tests.model.tiny_models import make_hf_model, save_hf_model
-from kernels.fp8_gemm import quantize_fp8_groups
 from tests.quant.checkpoints import TINY_LLAMA, write_quantized
 
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 11, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]  # 20 rows: the GEMM path

@@ -10,7 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_service.model.quant.config import QuantizationConfigError, QuantMethod, QuantSpec
+from inference_service.model.quant.config import (
+    QuantizationConfigError,
+    QuantMethod,
+    QuantSpec,
+)
 from inference_service.model.quant.summary import PackedWeight, describe_weight
 
 # The tensor that marks a quantized layer, and every suffix the layer owns, per method.
