@@ -29,7 +29,7 @@ from inference_service.engine.core_messages import (CoreReady, CoreStartFailed, 
 from inference_service.engine.embedding_engine import create_embedding_model
 from inference_service.engine.info import ModelInfo
 from inference_service.engine.llm_engine import LLMEngine
-from inference_service.engine.model_loading import load_model_for
+from inference_service.engine.model_loading import load_model_for, resolve_device
 from inference_service.engine.request import CompletionDelta
 from inference_service.engine.sequence import FinishReason
 from inference_service.metrics import MetricsRecorder
@@ -134,6 +134,12 @@ def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connect
     import torch
 
     torch.manual_seed(config.seed)
+    if resolve_device(config.device).type == "cpu":
+        # NOTE: the front end streams tokens while the core computes; on the CPU they would share the
+        # compute threads' cores, and the CPU kernels' workers spin between calls, so a step waits for
+        # whichever worker the front end displaced. One core fewer for compute measured faster on the
+        # shared 2-core machine (docs/operations.md, "The engine core process").
+        torch.set_num_threads(max(1, torch.get_num_threads() - 1))
     try:
         core = EngineCore(config)
     except Exception as e:  # noqa: BLE001 - reported to the front end, which fails its start with it
