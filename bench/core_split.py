@@ -18,8 +18,9 @@ import sys
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
-from decode_throughput import measure_engine, prompt_ids  # noqa: E402
-from inference_service.model.loader import load_model  # noqa: E402
+from decode_throughput import measure_engine, prompt_ids
+
+from inference_service.model.loader import load_model
 
 MODES = {"split (default)": [], "in-process": ["--engine-in-process"]}
 
@@ -39,7 +40,7 @@ def main() -> None:
             print(f"round {round_index + 1} {mode:16s} batch 1: {result['batch1']['tok_s']:6.1f} tok/s, "
                   f"TTFT {result['batch1']['ttft_ms']:6.1f} ms; {args.concurrency} concurrent: "
                   f"{result['concurrent']['tok_s']:6.1f} tok/s", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
     print(f"\n{datetime.date.today()} at {commit}, {os.cpu_count()} CPUs, medians of {args.rounds} rounds\n")
     print(f"| engine | batch-1 decode tok/s | batch-1 TTFT ms | {args.concurrency} concurrent tok/s |")
     print("|---|---:|---:|---:|")

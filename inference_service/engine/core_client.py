@@ -22,13 +22,23 @@ import torch
 
 from inference_service.config import EngineConfig
 from inference_service.engine.commands import AbortRequest, AddRequest, EmbedBatch
-from inference_service.engine.core_messages import (CoreReady, CoreStartFailed, EmbedJob, EmbedResult, Shutdown,
-                                                    StepOutput)
+from inference_service.engine.core_messages import (
+    CoreReady,
+    CoreStartFailed,
+    EmbedJob,
+    EmbedResult,
+    Shutdown,
+    StepOutput,
+)
 from inference_service.engine.core_process import run_engine_core
 from inference_service.engine.info import EngineInfo, EngineLoad
 from inference_service.engine.request import CompletionDelta, EngineRequest
-from inference_service.errors import (EngineCoreDiedError, InvalidRequestError, ResourceExhaustedError,
-                                      ShuttingDownError)
+from inference_service.errors import (
+    EngineCoreDiedError,
+    InvalidRequestError,
+    ResourceExhaustedError,
+    ShuttingDownError,
+)
 from inference_service.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)

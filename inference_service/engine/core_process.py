@@ -24,8 +24,14 @@ from multiprocessing.connection import Connection
 
 from inference_service.config import EngineConfig
 from inference_service.engine.commands import AbortRequest, AddRequest
-from inference_service.engine.core_messages import (CoreReady, CoreStartFailed, EmbedJob, EmbedResult, Shutdown,
-                                                    StepOutput)
+from inference_service.engine.core_messages import (
+    CoreReady,
+    CoreStartFailed,
+    EmbedJob,
+    EmbedResult,
+    Shutdown,
+    StepOutput,
+)
 from inference_service.engine.embedding_engine import create_embedding_model
 from inference_service.engine.info import ModelInfo
 from inference_service.engine.llm_engine import LLMEngine
@@ -82,7 +88,7 @@ class EngineCore:
     def step(self) -> list[CompletionDelta]:
         try:
             return self.llm_engine.step()
-        except Exception:  # noqa: BLE001 - the requests fail, the core goes on
+        except Exception:
             logger.exception("engine step failed; failing the running requests")
             return self.llm_engine.abort_all(FinishReason.ERROR)
 
@@ -99,7 +105,7 @@ class EngineCore:
         try:
             pooled = self.embedding_model.embed_token_ids(job.token_ids)
             self._embeddings.append(EmbedResult(job.job_id, pooled.float().cpu().numpy()))
-        except Exception as e:  # noqa: BLE001 - handed to the caller
+        except Exception as e:
             logger.exception("embedding batch failed")
             self._embeddings.append(EmbedResult(job.job_id, None, e))
         return deltas
