@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "requests are aborted (RESOURCE_EXHAUSTED) and their KV blocks freed")
     g.add_argument("--max-queued-responses", type=int, default=65536,
                    help="responses a Generate stream may hold unread by its client before its requests are aborted")
+    g.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine core on a thread of the gRPC server's process instead of a process of "
+                        "its own (tests, benchmarks)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     a = p.add_argument_group("security")
     a.add_argument("--api-key", default=None,
@@ -200,6 +203,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_message_mib=args.max_message_mib,
         max_stream_stall_s=args.max_stream_stall_s,
         max_queued_responses=args.max_queued_responses,
+        engine_in_process=args.engine_in_process,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
@@ -243,10 +247,11 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(engine_config.seed)
     try:
-        asyncio.run(serve(engine_config, server_config))
+        exit_code = asyncio.run(serve(engine_config, server_config))
     except (ValueError, FileNotFoundError, OSError) as e:
         logging.getLogger("inference_service").error("cannot start: %s", e)
         sys.exit(2)
+    sys.exit(exit_code)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,10 @@ class EngineError(Exception):
         self.message = message
         self.field = field
 
+    def __reduce__(self):
+        # NOTE: errors cross the engine core's process boundary pickled; the default keeps only `args`.
+        return type(self), (self.message, self.field)
+
 
 class InvalidRequestError(EngineError, ValueError):
     """A request parameter is wrong; `field` names it (for example "sampling.top_p")."""
@@ -41,6 +45,12 @@ class UnimplementedError(EngineError):
 
 class ShuttingDownError(EngineError):
     """The engine is draining and takes no new requests."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class EngineCoreDiedError(EngineError):
+    """The engine core process ended; the server goes down with it (and is restarted)."""
 
     code = grpc.StatusCode.UNAVAILABLE
 

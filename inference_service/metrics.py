@@ -48,11 +48,54 @@ class _Twin:
             m.observe(value)
 
 
-class EngineMetrics:
+class _EventSource:
+    """Turns the engine's objects into plain metric events (tuples); `_emit` decides where they go."""
+
+    def __init__(self) -> None:
+        self._last_preemptions = 0
+        self._last_queries = 0
+        self._last_hits = 0
+        self._first_scheduled: dict[str, float] = {}
+
+    def _emit(self, event: tuple) -> None:
+        raise NotImplementedError
+
+    def on_step(self, sched_out: SchedulerOutput, duration_s: float) -> None:
+        now = time.monotonic()
+        queue_times = []
+        for s in sched_out.scheduled:
+            if s.seq.request_id not in self._first_scheduled:
+                self._first_scheduled[s.seq.request_id] = now
+                queue_times.append(now - s.seq.arrival_time)
+        self._emit(("step", sched_out.num_batched_tokens, duration_s, queue_times))
+
+    def on_first_token(self, ttft_s: float, seq: Sequence) -> None:
+        first = self._first_scheduled.get(seq.request_id)
+        self._emit(("first_token", ttft_s, None if first is None else max(0.0, time.monotonic() - first)))
+
+    def on_scheduler_state(self, scheduler: Scheduler, block_manager: BlockManager) -> None:
+        bm = block_manager
+        self._emit(("state", len({s.request_id for s in scheduler.running}), len(scheduler.waiting), bm.usage,
+                    scheduler.num_preemptions - self._last_preemptions, bm.num_prefix_queries - self._last_queries,
+                    bm.num_prefix_hits - self._last_hits))
+        self._last_preemptions = scheduler.num_preemptions
+        self._last_queries, self._last_hits = bm.num_prefix_queries, bm.num_prefix_hits
+
+    def on_request_finished(
+        self, request: EngineRequest, first_token_time: float | None, usage: Usage, reason: FinishReason | None
+    ) -> None:
+        self._first_scheduled.pop(request.request_id, None)
+        reason_name = reason.value if reason is not None else "unknown"
+        self._emit(("finished", request.request_id, request.arrival_time, first_token_time, usage,
+                    request.params.n, reason_name, time.monotonic()))
+
+
+class EngineMetrics(_EventSource):
     """Engine metrics, each under our name and, where vLLM has one, under vLLM's (`vllm:...`, same value);
     `registry` lets tests and several engines in one process keep theirs apart."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        super().__init__()
         r = registry or REGISTRY
         label = {"model_name": model_name}
         self.model_name = model_name
@@ -112,35 +155,36 @@ class EngineMetrics:
         )
         self.info = Info(_PREFIX + "model", "The served model.", registry=r)
         self.info.info({"model_name": model_name})
-        self._last_preemptions = 0
-        self._last_queries = 0
-        self._last_hits = 0
-        self._first_scheduled: dict[str, float] = {}
 
-    def on_step(self, sched_out: SchedulerOutput, duration_s: float) -> None:
-        self.tokens_per_step.observe(sched_out.num_batched_tokens)
-        self.step_duration.observe(duration_s)
-        now = time.monotonic()
-        for s in sched_out.scheduled:
-            if s.seq.request_id not in self._first_scheduled:
-                self._first_scheduled[s.seq.request_id] = now
-                self.queue_time.observe(now - s.seq.arrival_time)
+    def _emit(self, event: tuple) -> None:
+        self.apply([event])
 
-    def on_first_token(self, ttft_s: float, seq: Sequence) -> None:
-        self.time_to_first_token.observe(ttft_s)
-        first = self._first_scheduled.get(seq.request_id)
-        if first is not None:
-            self.prefill_time.observe(max(0.0, time.monotonic() - first))
-
-    def on_scheduler_state(self, scheduler: Scheduler, block_manager: BlockManager) -> None:
-        self.num_requests_running.set(len({s.request_id for s in scheduler.running}))
-        self.num_requests_waiting.set(len(scheduler.waiting))
-        self.kv_cache_usage.set(block_manager.usage)
-        self.preemptions.inc(scheduler.num_preemptions - self._last_preemptions)
-        self._last_preemptions = scheduler.num_preemptions
-        self.prefix_cache_queries.inc(block_manager.num_prefix_queries - self._last_queries)
-        self.prefix_cache_hits.inc(block_manager.num_prefix_hits - self._last_hits)
-        self._last_queries, self._last_hits = block_manager.num_prefix_queries, block_manager.num_prefix_hits
+    def apply(self, events: list[tuple]) -> None:
+        """Records the events a `MetricsRecorder` of the engine core process took (sent with its step outputs)."""
+        for event in events:
+            match event:
+                case ("step", num_batched_tokens, duration_s, queue_times):
+                    self.tokens_per_step.observe(num_batched_tokens)
+                    self.step_duration.observe(duration_s)
+                    for queue_time in queue_times:
+                        self.queue_time.observe(queue_time)
+                case ("first_token", ttft_s, prefill_s):
+                    self.time_to_first_token.observe(ttft_s)
+                    if prefill_s is not None:
+                        self.prefill_time.observe(prefill_s)
+                case ("state", num_running, num_waiting, kv_usage, num_preempted, num_queries, num_hits):
+                    self.num_requests_running.set(num_running)
+                    self.num_requests_waiting.set(num_waiting)
+                    self.kv_cache_usage.set(kv_usage)
+                    self.preemptions.inc(num_preempted)
+                    self.prefix_cache_queries.inc(num_queries)
+                    self.prefix_cache_hits.inc(num_hits)
+                case ("rejected",):
+                    self._count_finished("error")
+                case ("finished", request_id, arrival_time, first_token_time, usage, n, reason_name, now):
+                    self._finished_request(request_id, arrival_time, first_token_time, usage, n, reason_name, now)
+                case _:
+                    raise TypeError(f"not a metrics event: {event!r}")
 
     def on_request_rejected(self) -> None:
         """A request refused before it ran (bad parameters, full queue, draining): finish reason `error`."""
@@ -150,29 +194,46 @@ class EngineMetrics:
         for counter in self._finished:
             counter.labels(model_name=self.model_name, finished_reason=reason).inc()
 
-    def on_request_finished(
-        self, request: EngineRequest, first_token_time: float | None, usage: Usage, reason: FinishReason | None
-    ) -> None:
-        now = time.monotonic()
-        self._first_scheduled.pop(request.request_id, None)
-        e2e = now - request.arrival_time
+    def _finished_request(self, request_id: str, arrival_time: float, first_token_time: float | None, usage: Usage,
+                          n: int, reason_name: str, now: float) -> None:
+        e2e = now - arrival_time
         self.e2e_latency.observe(e2e)
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.generation_tokens.inc(usage.completion_tokens)
-        reason_name = reason.value if reason is not None else "unknown"
         self._count_finished(reason_name)
-        ttft = (first_token_time - request.arrival_time) if first_token_time is not None else float("nan")
+        ttft = (first_token_time - arrival_time) if first_token_time is not None else float("nan")
         tokens_per_s = 0.0
         if first_token_time is not None:
             decode_s = now - first_token_time
             self.decode_time.observe(decode_s)
-            per_seq_tokens = usage.completion_tokens / max(1, request.params.n)
+            per_seq_tokens = usage.completion_tokens / max(1, n)
             if per_seq_tokens > 1:
                 self.time_per_output_token.observe(decode_s / (per_seq_tokens - 1))
             tokens_per_s = usage.completion_tokens / e2e if e2e > 0 else 0.0
         logger.info(
             "request %s finished (%s): prompt_tokens=%d completion_tokens=%d cached_tokens=%d "
             "ttft=%.3fs e2e=%.3fs tokens/s=%.1f",
-            request.request_id, reason_name, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens,
+            request_id, reason_name, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens,
             ttft, e2e, tokens_per_s,
         )
+
+
+class MetricsRecorder(_EventSource):
+    """`EngineMetrics`' interface inside the engine core process: keeps the events, which travel to the
+    front end with the next step output (`take`) and are recorded there (`EngineMetrics.apply`), so the
+    front end's one `/metrics` shows both processes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._events: list[tuple] = []
+
+    def _emit(self, event: tuple) -> None:
+        self._events.append(event)
+
+    def on_request_rejected(self) -> None:
+        self._events.append(("rejected",))
+
+    def take(self) -> list[tuple]:
+        """The events since the last call."""
+        events, self._events = self._events, []
+        return events

@@ -16,7 +16,8 @@ from prometheus_client import start_http_server
 from inference_service.api import pb, pb_grpc
 from inference_service.config import EngineConfig, ServerConfig
 from inference_service.engine.async_engine import AsyncEngine
-from inference_service.engine.embedding_engine import create_embedding_engine
+from inference_service.engine.core_client import CoreClient
+from inference_service.engine.embedding_engine import EmbeddingEngine, create_embedding_engine
 from inference_service.engine.gc_heap import freeze_startup_heap
 from inference_service.engine.info import ModelInfo
 from inference_service.engine.input_processor import InputProcessor
@@ -108,30 +109,20 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
 class EngineServer:
     """Owns the engines and the gRPC server; `start()`, then `wait_for_shutdown()`.
 
-    `llm_engine` (the synchronous generation engine) is loaded from `engine_config` unless given; an
-    encoder model has none. `async_engine` runs it on its thread; `embedder` serves Embed."""
+    By default the engine core runs in a process of its own (`core`, a `CoreClient`, is then the
+    `async_engine`). With `server_config.engine_in_process`, or an `llm_engine` given, the synchronous
+    generation engine is loaded here (an encoder model has none) and `async_engine` runs it on a thread.
+    `embedder` serves Embed."""
 
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig,
                  llm_engine: LLMEngine | None = None):
         self.server_config = server_config
-        if llm_engine is None:
-            on_device = load_model_for(engine_config)
-            loaded, device, dtype = on_device.loaded, on_device.device, on_device.dtype
-            # An encoder (BERT) only embeds: no KV cache, no generation engine.
-            llm_engine = None if loaded.is_encoder else LLMEngine(engine_config, loaded=loaded)
+        self.exit_code = 0  # 1 once the engine core died
+        self.core: CoreClient | None = None
+        if llm_engine is None and not server_config.engine_in_process:
+            self._init_core_process(engine_config)
         else:
-            loaded, device, dtype = llm_engine.loaded, llm_engine.device, llm_engine.dtype
-        self.llm_engine = llm_engine
-        self.model = ModelInfo.of(loaded, engine_config.served_model_name, device, dtype)
-        self.async_engine = AsyncEngine(llm_engine) if llm_engine is not None else None
-        self.embedder = create_embedding_engine(
-            loaded, device=device, dtype=dtype, pooling_mode=engine_config.embedding_pooling,
-            max_model_len=llm_engine.max_model_len if llm_engine is not None else engine_config.max_model_len,
-            block_size=engine_config.cache.block_size, generation_engine=self.async_engine)
-        # Stopped in this order: a decoder's embeddings run on the generation engine's thread.
-        self.engines = [e for e in (self.embedder, self.async_engine) if e is not None]
-        input_processor = (llm_engine.input_processor if llm_engine is not None else
-                           InputProcessor(loaded.tokenizer, self.embedder.max_input_tokens, self.model.vocab_size))
+            self._init_in_process(engine_config, llm_engine)
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self._shutdown = asyncio.Event()
@@ -153,12 +144,58 @@ class EngineServer:
                 ("grpc.keepalive_permit_without_calls", 1),
             ],
         )
-        self.servicer = InferenceServicer(self.model, input_processor, self.async_engine, self.embedder,
+        self.servicer = InferenceServicer(self.model, self.input_processor, self.async_engine, self.embedder,
                                           max_stream_stall_s=server_config.max_stream_stall_s,
                                           max_queued_responses=server_config.max_queued_responses)
         pb_grpc.add_InferenceServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection([SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], self.server)
+
+    def _init_core_process(self, engine_config: EngineConfig) -> None:
+        """The engine core in its own process; this one keeps gRPC, tokenization and streaming."""
+        log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        self.core = core = CoreClient.spawn(engine_config, log_level)
+        core.on_core_died = self._on_core_died
+        ready = core.ready
+        self.model = ready.model
+        self.async_engine = core if ready.info is not None else None
+        self.embedder = EmbeddingEngine(ready.embedding, max_input_tokens=ready.max_embed_input_tokens,
+                                        generation_engine=core)
+        # Stopped in this order: the embedder's batches run in the core.
+        self.engines = [self.embedder, core]
+        max_len = ready.info.max_model_len if ready.info is not None else ready.max_embed_input_tokens
+        self.input_processor = InputProcessor(ready.tokenizer, max_len, ready.model.vocab_size)
+
+    def _init_in_process(self, engine_config: EngineConfig, llm_engine: LLMEngine | None) -> None:
+        """The engine core on a thread of this process (`--engine-in-process`, or an engine given)."""
+        if llm_engine is None:
+            on_device = load_model_for(engine_config)
+            loaded, device, dtype = on_device.loaded, on_device.device, on_device.dtype
+            # An encoder (BERT) only embeds: no KV cache, no generation engine.
+            llm_engine = None if loaded.is_encoder else LLMEngine(engine_config, loaded=loaded)
+        else:
+            loaded, device, dtype = llm_engine.loaded, llm_engine.device, llm_engine.dtype
+        self.llm_engine = llm_engine
+        self.model = ModelInfo.of(loaded, engine_config.served_model_name, device, dtype)
+        self.async_engine = AsyncEngine(llm_engine) if llm_engine is not None else None
+        self.embedder = create_embedding_engine(
+            loaded, device=device, dtype=dtype, pooling_mode=engine_config.embedding_pooling,
+            max_model_len=llm_engine.max_model_len if llm_engine is not None else engine_config.max_model_len,
+            block_size=engine_config.cache.block_size, generation_engine=self.async_engine)
+        # Stopped in this order: a decoder's embeddings run on the generation engine's thread.
+        self.engines = [e for e in (self.embedder, self.async_engine) if e is not None]
+        self.input_processor = (llm_engine.input_processor if llm_engine is not None else
+                                InputProcessor(loaded.tokenizer, self.embedder.max_input_tokens, self.model.vocab_size))
+
+    def _on_core_died(self) -> None:
+        """NOT_SERVING at once (before the drain, which finds nothing left), then down with exit code 1."""
+        self.exit_code = 1
+        self._not_serving_task = asyncio.get_running_loop().create_task(self._set_not_serving())
+        self.request_shutdown()
+
+    async def _set_not_serving(self) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def start(self) -> int:
         cfg = self.server_config
@@ -209,8 +246,9 @@ class EngineServer:
 
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig,
-                on_started: Callable[[EngineServer], Awaitable[None]] | None = None) -> None:
-    """Runs the server until SIGTERM or SIGINT, then shuts down gracefully."""
+                on_started: Callable[[EngineServer], Awaitable[None]] | None = None) -> int:
+    """Runs the server until SIGTERM or SIGINT (or the engine core's death), then shuts down gracefully;
+    returns the process's exit code: 0, or 1 when the engine core died."""
     # Before loading the model, which can take minutes: a taken port fails now.
     ensure_port_free(server_config.host, server_config.port)
     if server_config.metrics_port is not None:
@@ -226,3 +264,4 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
     if on_started is not None:
         await on_started(server)
     await server.wait_for_shutdown()
+    return server.exit_code

@@ -127,7 +127,7 @@ def inprocess_server():
 
     async def serve() -> None:
         server = EngineServer(EngineConfig(max_model_len=256, cache=CacheConfig(kv_cache_memory_mib=16)),
-                              ServerConfig(host="127.0.0.1", port=0))
+                              ServerConfig(host="127.0.0.1", port=0, engine_in_process=True))
         await server.start()
         started.put((server, asyncio.get_running_loop()))
         await server.wait_for_shutdown()

@@ -13,7 +13,7 @@ from inference_service.engine.commands import (ENGINE_COMMAND_TYPES, AbortReques
 from inference_service.engine.embedding_model import EmbeddingModel
 from inference_service.engine.info import EngineInfo
 from inference_service.engine.llm_engine import LLMEngine
-from inference_service.engine.request import CompletionDelta, EngineRequest, Usage
+from inference_service.engine.request import CompletionDelta, EngineRequest
 from inference_service.engine.sequence import FinishReason
 from inference_service.errors import EngineError, InvalidRequestError, ResourceExhaustedError
 
@@ -124,14 +124,7 @@ class AsyncEngine(BackgroundLoop):
 
     def _add(self, request: EngineRequest) -> list[CompletionDelta]:
         self._call_in_event_loop(self._added_to_engine)
-        try:
-            self.llm_engine.add_request(request)
-        except EngineError as e:  # validation that needs engine state (cache size)
-            self.count_rejected()
-            usage = Usage(len(request.prompt_token_ids), 0, 0)
-            return [CompletionDelta(request.request_id, 0, [], "", finish_reason=FinishReason.ERROR, usage=usage,
-                                    error=e)]
-        return []
+        return self.llm_engine.add_or_reject(request)
 
     def _embed(self, job: EmbedBatch) -> list[CompletionDelta]:
         deltas = self.llm_engine.wait_for_in_flight_step()  # the model runs one batch at a time

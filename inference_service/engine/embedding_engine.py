@@ -28,7 +28,7 @@ import torch
 
 from inference_service.engine.background_loop import BackgroundLoop
 from inference_service.engine.commands import EmbedBatch
-from inference_service.engine.embedding_model import EmbeddingModel
+from inference_service.engine.embedding_model import EmbeddingModel, EmbeddingModelSpec
 from inference_service.errors import EngineError, InvalidRequestError, ResourceExhaustedError, ShuttingDownError
 from inference_service.model.loader import LoadedModel
 from inference_service.model.pooling import PoolingConfig, finish_embeddings
@@ -71,17 +71,18 @@ class _Job:
 class EmbeddingEngine(BackgroundLoop):
     """Batches embedding inputs across requests; `start()` inside the event loop, `await stop()` at the end.
 
-    With `generation_engine`, each batch runs as an `EmbedBatch` job on that engine's thread."""
+    With `generation_engine`, each batch runs as an `EmbedBatch` job on that engine's thread (or in the engine
+    core process, whose `EmbeddingModelSpec` then stands in for the model here)."""
 
-    def __init__(self, model: EmbeddingModel, *, max_input_tokens: int, max_pending_inputs: int = 65536,
+    def __init__(self, model: EmbeddingModel | EmbeddingModelSpec, *, max_input_tokens: int, max_pending_inputs: int = 65536,
                  generation_engine: AsyncEngine | None = None):
         super().__init__("embedding-loop")
         self.model = model
-        self.tokenizer = model.loaded.tokenizer
-        self.vocab_size = model.loaded.config.vocab_size
+        self.tokenizer = model.tokenizer
+        self.vocab_size = model.vocab_size
         self.max_input_tokens = max_input_tokens
         self.max_pending_inputs = max_pending_inputs
-        self.embedding_dimensions = model.loaded.config.hidden_size
+        self.embedding_dimensions = model.embedding_dimensions
         self._generation_engine = generation_engine
         if generation_engine is not None:
             generation_engine.serve_embeddings(model)
@@ -216,16 +217,15 @@ def _set_exception(future: asyncio.Future, error: BaseException) -> None:
         future.set_exception(error)
 
 
-def create_embedding_engine(loaded: LoadedModel, *, device: torch.device, dtype: torch.dtype,
-                            pooling_mode: str | None = None, max_model_len: int | None = None,
-                            block_size: int = 16, generation_engine: AsyncEngine | None = None) -> EmbeddingEngine:
-    """The embedding engine for a loaded model.
+def create_embedding_model(loaded: LoadedModel, *, device: torch.device, dtype: torch.dtype,
+                           pooling_mode: str | None = None, max_model_len: int | None = None,
+                           block_size: int = 16) -> tuple[EmbeddingModel, int]:
+    """The embedding model of a loaded model and its input limit (tokens).
 
     Pooling: the folder's sentence-transformers configuration, else last-token + L2 for decoders;
     `pooling_mode` (`--embedding-pooling`) overrides the mode. Input limit: the sentence-transformers
     `max_seq_length` of an encoder (else its position embeddings), the context length of a decoder;
-    `max_model_len` lowers it. `generation_engine`: the decoder's generation engine, whose thread then
-    runs the embedding batches."""
+    `max_model_len` lowers it."""
     pooling = loaded.pooling or PoolingConfig(mode="last", normalize=True)
     if pooling_mode is not None:
         pooling = PoolingConfig(mode=pooling_mode, normalize=pooling.normalize,
@@ -241,4 +241,14 @@ def create_embedding_engine(loaded: LoadedModel, *, device: torch.device, dtype:
     max_batch_size = 256 if loaded.is_encoder else 32
     model = EmbeddingModel(loaded, device=device, dtype=dtype, pooling=pooling, max_batch_tokens=max_batch_tokens,
                            max_batch_size=max_batch_size, block_size=block_size)
+    return model, limit
+
+
+def create_embedding_engine(loaded: LoadedModel, *, device: torch.device, dtype: torch.dtype,
+                            pooling_mode: str | None = None, max_model_len: int | None = None,
+                            block_size: int = 16, generation_engine: AsyncEngine | None = None) -> EmbeddingEngine:
+    """The embedding engine for a loaded model (see `create_embedding_model`). `generation_engine`: the
+    decoder's generation engine, whose thread then runs the embedding batches."""
+    model, limit = create_embedding_model(loaded, device=device, dtype=dtype, pooling_mode=pooling_mode,
+                                          max_model_len=max_model_len, block_size=block_size)
     return EmbeddingEngine(model, max_input_tokens=limit, generation_engine=generation_engine)

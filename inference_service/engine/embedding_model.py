@@ -5,12 +5,27 @@ paged cache of running generations is never touched."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from inference_service.attention.metadata import AttentionMetadata
 from inference_service.model.bert import PackedBatch
 from inference_service.model.loader import LoadedModel
 from inference_service.model.pooling import PoolingConfig, pool
+from inference_service.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingModelSpec:
+    """What the embedding batcher needs of a model that runs elsewhere (in the engine core process)."""
+
+    tokenizer: Tokenizer
+    vocab_size: int
+    embedding_dimensions: int
+    pooling: PoolingConfig
+    max_batch_tokens: int
+    max_batch_size: int
 
 
 class EmbeddingModel:
@@ -25,6 +40,23 @@ class EmbeddingModel:
         self.max_batch_size = max_batch_size
         self.block_size = block_size
         self._scratch_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # decoders only, made lazily
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.loaded.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.loaded.config.vocab_size
+
+    @property
+    def embedding_dimensions(self) -> int:
+        return self.loaded.config.hidden_size
+
+    def spec(self) -> EmbeddingModelSpec:
+        """This model's sizes and tokenizer, for a batcher in another process."""
+        return EmbeddingModelSpec(self.tokenizer, self.vocab_size, self.embedding_dimensions, self.pooling,
+                                  self.max_batch_tokens, self.max_batch_size)
 
     @torch.inference_mode()
     def embed_token_ids(self, seqs: list[list[int]]) -> torch.Tensor:

@@ -23,7 +23,7 @@ from inference_service.engine.sampling_params import SamplingParams
 from inference_service.engine.scheduler import Scheduler, SchedulerOutput
 from inference_service.engine.sequence import FinishReason, Sequence
 from inference_service.engine.structured_output import GrammarCompiler
-from inference_service.errors import InvalidRequestError
+from inference_service.errors import EngineError, InvalidRequestError
 from inference_service.model.chat_template import load_chat_template
 from inference_service.metrics import EngineMetrics
 from inference_service.model.loader import LoadedModel
@@ -161,6 +161,18 @@ class LLMEngine:
             self.output_processor.add(seq)
             self.scheduler.add(seq)
         self.requests[request.request_id] = _RequestState(request, seqs)
+
+    def add_or_reject(self, request: EngineRequest) -> list[CompletionDelta]:
+        """`add_request`, but a request the engine's state refuses (cache size, format, duplicate id) is
+        counted as rejected and answered with its one error delta instead of raising."""
+        try:
+            self.add_request(request)
+        except EngineError as e:
+            self.metrics.on_request_rejected()
+            usage = Usage(len(request.prompt_token_ids), 0, 0)
+            return [CompletionDelta(request.request_id, 0, [], "", finish_reason=FinishReason.ERROR, usage=usage,
+                                    error=e)]
+        return []
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> list[CompletionDelta]:
         """Ends every unfinished sequence of the request; returns their final deltas."""
