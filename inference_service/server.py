@@ -122,6 +122,11 @@ class EngineServer:
         else:
             loaded, device, dtype = llm_engine.loaded, llm_engine.device, llm_engine.dtype
         self.llm_engine = llm_engine
+        # Tensor parallelism: the worker ranks rank 0 started (`distributed/workers.py`); one that dies
+        # stops the server with `failure` set (NOT_SERVING, then a non-zero exit).
+        self.tp_workers = getattr(loaded.model, "workers", None)
+        self._tp_driver = loaded.model if self.tp_workers is not None else None
+        self.failure: str | None = None
         self.model = ModelInfo.of(loaded, engine_config.served_model_name, device, dtype)
         self.async_engine = AsyncEngine(llm_engine) if llm_engine is not None else None
         self.embedder = create_embedding_engine(
@@ -162,6 +167,9 @@ class EngineServer:
 
     async def start(self) -> int:
         cfg = self.server_config
+        if self.tp_workers is not None:
+            loop = asyncio.get_running_loop()
+            self.tp_workers.on_failure = lambda message: loop.call_soon_threadsafe(self._fail, message)
         for engine in self.engines:
             engine.start()
         address, credentials = f"{cfg.host}:{cfg.port}", server_credentials(cfg)
@@ -184,6 +192,11 @@ class EngineServer:
     def request_shutdown(self) -> None:
         self._shutdown.set()
 
+    def _fail(self, message: str) -> None:
+        """A part the server cannot run without is gone: shut down, and exit non-zero after."""
+        self.failure = message
+        self.request_shutdown()
+
     async def wait_for_shutdown(self) -> None:
         await self._shutdown.wait()
         await self.shutdown()
@@ -205,6 +218,8 @@ class EngineServer:
         for engine in self.engines:
             await engine.stop()  # aborts whatever did not finish in time
         await self.server.stop(grace=1.0)
+        if self.tp_workers is not None:
+            await asyncio.to_thread(self.tp_workers.stop, self._tp_driver)
         logger.info("shut down")
 
 
@@ -226,3 +241,6 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
     if on_started is not None:
         await on_started(server)
     await server.wait_for_shutdown()
+    if server.failure is not None:
+        logger.error("stopped after a failure: %s", server.failure)
+        raise SystemExit(1)
