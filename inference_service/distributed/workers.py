@@ -78,12 +78,13 @@ class WorkerPool:
 
 def start_tensor_parallel(config, devices: list[torch.device], dtype: torch.dtype):
     """Rank 0's loaded shard (`LoadedModel` whose `model` is a `DriverModel`) once all ranks joined."""
-    from inference_service.distributed.loading import load_model_shard, read_full_config
+    from inference_service.distributed.loading import load_model_shard, open_shard_source
     from inference_service.distributed.sharding import ShardPlan
 
     world_size = config.tensor_parallel_size
-    # The checks a bad size fails, before any process starts.
-    ShardPlan(read_full_config(config.model, config.load_format, config.yarn_scaling_factor), 0, world_size)
+    # The checks a bad size (or model) fails, before any process starts.
+    source = open_shard_source(config.model, config.load_format, dtype, config.yarn_scaling_factor)
+    ShardPlan(source.config, 0, world_size)
     ctx = mp.get_context("spawn")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
