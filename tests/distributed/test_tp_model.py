@@ -24,20 +24,30 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_two_ranks_match_one_process(case, tmp_path):
-    family, overrides = CASES[case]
-    path = save_hf_model(make_hf_model(family, seed=3, **overrides), str(tmp_path / case))
-    reference = load_model(path, dtype=torch.float32).model
-    generated = PagedHarness(reference).generate(PROMPTS, NUM_NEW_TOKENS, prefill_chunk=CHUNK)
-    forced = [tokens[:-1] for tokens in generated]
-    expected = teacher_forced_logits(reference, PROMPTS, forced, CHUNK)
-
-    out_file = str(tmp_path / "rank0_logits.pt")
-    mp.start_processes(run_rank, args=(2, free_port(), path, PROMPTS, forced, CHUNK, out_file), nprocs=2,
-                       join=True, start_method="spawn")
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """For every case: (greedy tokens of one process, its logits, rank 0's logits of two ranks); the
+    two ranks run every case in one pair of processes."""
+    folder = tmp_path_factory.mktemp("tp_cases")
+    references, jobs = {}, []
+    for case in sorted(CASES):
+        family, overrides = CASES[case]
+        path = save_hf_model(make_hf_model(family, seed=3, **overrides), str(folder / case))
+        reference = load_model(path, dtype=torch.float32).model
+        generated = PagedHarness(reference).generate(PROMPTS, NUM_NEW_TOKENS, prefill_chunk=CHUNK)
+        forced = [tokens[:-1] for tokens in generated]
+        references[case] = (generated, teacher_forced_logits(reference, PROMPTS, forced, CHUNK))
+        jobs.append((path, PROMPTS, forced, CHUNK))
+    out_file = str(folder / "rank0_logits.pt")
+    mp.start_processes(run_rank, args=(2, free_port(), jobs, out_file), nprocs=2, join=True, start_method="spawn")
     got = torch.load(out_file)
+    return {case: (*references[case], got[i]) for i, case in enumerate(sorted(CASES))}
 
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_two_ranks_match_one_process(case, two_rank_runs):
+    generated, expected, got = two_rank_runs[case]
+    forced = [tokens[:-1] for tokens in generated]
     assert [tuple(t.shape) for t in got] == [tuple(t.shape) for t in expected]
     for step, (g, e) in enumerate(zip(got, expected, strict=True)):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m, step=step: f"step {step}: {m}")

@@ -36,13 +36,16 @@ def teacher_forced_logits(model, prompts: list[list[int]], forced: list[list[int
     return steps
 
 
-def run_rank(rank: int, world_size: int, port: int, path: str, prompts, forced, chunk: int, out_file: str) -> None:
-    """One rank: join the gloo group, load its shard, run the steps; rank 0 saves its logits."""
+def run_rank(rank: int, world_size: int, port: int, jobs: list[tuple], out_file: str) -> None:
+    """One rank: join the gloo group; for each (model path, prompts, forced tokens, chunk) job load its
+    shard and run the steps; rank 0 saves the logits of every job."""
     group = init_group(rank, world_size, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s=60)
     try:
-        loaded = load_model_shard(path, group, device=torch.device("cpu"), dtype=torch.float32)
-        steps = teacher_forced_logits(loaded.model, prompts, forced, chunk)
+        results = []
+        for path, prompts, forced, chunk in jobs:
+            loaded = load_model_shard(path, group, device=torch.device("cpu"), dtype=torch.float32)
+            results.append(teacher_forced_logits(loaded.model, prompts, forced, chunk))
         if rank == 0:
-            torch.save(steps, out_file)
+            torch.save(results, out_file)
     finally:
         destroy_group()
