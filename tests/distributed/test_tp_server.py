@@ -61,8 +61,14 @@ def test_two_ranks_serve_the_tokens_of_one_process_and_die_with_a_worker(model_p
                              sampling=pb.SamplingParams(temperature=0.0),
                              stopping=pb.StoppingCriteria(max_tokens=NUM_NEW_TOKENS, ignore_eos=True))
             stream.wait_done({"r0", "r1"})
-            stream.close()
             assert [stream.results[f"r{i}"].tokens for i in range(len(PROMPTS))] == expected
+            # The first prompt again: its full blocks come from the prefix cache, on every rank alike.
+            stream.start("again", token_ids=pb.TokenIds(ids=PROMPTS[0]), sampling=pb.SamplingParams(temperature=0.0),
+                         stopping=pb.StoppingCriteria(max_tokens=NUM_NEW_TOKENS, ignore_eos=True))
+            stream.wait_done({"again"})
+            stream.close()
+            assert stream.results["again"].tokens == expected[0]
+            assert stream.results["again"].usage.cached_tokens == len(PROMPTS[0]) // 16 * 16
 
             # Watch health, then kill rank 1: NOT_SERVING arrives, then the server exits non-zero.
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=MAX_EXIT_S)
