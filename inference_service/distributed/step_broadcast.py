@@ -23,7 +23,6 @@ from inference_service.attention.metadata import AttentionMetadata
 from inference_service.distributed.group import TensorParallelGroup
 
 
-
 class Op(IntEnum):
     FORWARD = 1
     LOGITS = 2

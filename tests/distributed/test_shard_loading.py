@@ -11,8 +11,7 @@ from inference_service.distributed.shard_reader import ShardedSafetensors
 from inference_service.distributed.sharding import ShardPlan
 from inference_service.errors import UnsupportedModelError
 from inference_service.model.config import ModelConfig
-from inference_service.model.loader import _safetensors_files
-from inference_service.model.loader import load_model
+from inference_service.model.loader import _safetensors_files, load_model
 
 
 class _CountingSlice:
@@ -98,8 +97,9 @@ def test_rank_reads_only_its_slices(checkpoint, rank, monkeypatch):
 
 
 def _config(**overrides) -> ModelConfig:
-    base = dict(model_type="llama", architecture="LlamaForCausalLM", vocab_size=300, hidden_size=64,
-                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    base = {"model_type": "llama", "architecture": "LlamaForCausalLM", "vocab_size": 300, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16}
     return ModelConfig(**{**base, **overrides})
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import transformers
+from harness import PagedHarness
 from test_gguf_sentencepiece import _permute, _vocab
 from tp_ranks import free_port, run_rank, teacher_forced_logits
 
-from harness import PagedHarness
 from inference_service.distributed.gguf_shards import read_gguf_shard
 from inference_service.distributed.sharding import ShardPlan
 from inference_service.model.gguf_loader import GGUFCheckpoint

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
+from harness import PagedHarness
 from tiny_models import make_hf_model, save_hf_model
 from tp_ranks import free_port, run_rank, teacher_forced_logits
 
-from harness import PagedHarness
 from inference_service.model.loader import load_model
 
 PROMPTS = [[256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100], [256, 84, 80, 33]]

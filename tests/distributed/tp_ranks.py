@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 
 import torch
-
 from harness import PagedHarness
+
 from inference_service.distributed.group import destroy_group, init_group
 from inference_service.distributed.loading import load_model_shard
 
