@@ -58,6 +58,7 @@ class WorkerPool:
         if self._is_stopping:
             return
         rank = sentinels[ready[0]]
+        self.processes[rank - 1].join(1.0)  # reaps it: its exit code is known after
         message = (f"tensor-parallel worker rank {rank} (pid {self.processes[rank - 1].pid}) exited with "
                    f"code {self.processes[rank - 1].exitcode}")
         logger.error("%s: the engine cannot run steps without it", message)

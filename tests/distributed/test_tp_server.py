@@ -75,7 +75,7 @@ def test_two_ranks_serve_the_tokens_of_one_process_and_die_with_a_worker(model_p
             os.kill(_worker_pid(engine), signal.SIGKILL)
             assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
         assert engine.process.wait(MAX_EXIT_S) == 1
-        assert "tensor-parallel worker rank 1" in engine.log()
+        assert "tensor-parallel worker rank 1 (pid" in engine.log() and "exited with code -9" in engine.log()
     finally:
         engine.stop()
 
