@@ -62,6 +62,10 @@ def init_group(rank: int, world_size: int, init_method: str, device: torch.devic
         # NOTE: NVLink SHARP (multicast) hangs on some drivers; off unless the user chose otherwise.
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if backend == "gloo":
+        # NOTE: N CPU ranks on one host share its cores; each with a thread per core, their idle
+        # threads spin against each other's work.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s),
                             device_id=device if backend == "nccl" else None)
