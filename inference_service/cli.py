@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["auto", "float32", "float", "bfloat16", "float16", "half", "fp32", "bf16", "fp16"],
                    help="auto (float32 on CPU, bfloat16 on GPU), float32 (float), bfloat16, float16 (half)")
     m.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="vLLM's flag: only 1 until tensor parallelism exists (larger values are refused)")
+                   help="split the model over N devices, one process each (rank 0 serves; NCCL on GPUs, "
+                        "gloo on the CPU); --device cuda takes GPUs 0..N-1, --device cuda:2,3 those")
     m.add_argument("--dequantize", action="store_true",
                    help="expand a GGUF's Q4_0/Q4_1/Q8_0 weights to --dtype at load; by default they stay in their "
                         "blocks on a CPU and run in place (a fifth to a quarter of the memory read per token)")

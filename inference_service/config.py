@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 
 # vLLM's spellings of the same types: "half"/"float" dtypes, "fp8_e4m3" (our fp8 is e4m3).
@@ -95,7 +96,8 @@ class EngineConfig:
     # (where the model runs in the calling thread, so nothing would overlap).
     async_scheduling: bool | None = None
     chat_template: str | None = None  # a Jinja file replacing the model's own chat template
-    tensor_parallel_size: int = 1  # accepted for vLLM's flag; only 1 until tensor parallelism exists
+    # Ranks (one process and device each) the model is split over (`distributed/`); 1 = no split.
+    tensor_parallel_size: int = 1
     # Sampling defaults for fields a request leaves unset (`engine/generation_config.py`): "auto" = the
     # checkpoint's generation_config.json (GGUF: general.sampling.*), "none" = the API's, or a folder path.
     generation_config: str = "auto"
@@ -108,11 +110,18 @@ class EngineConfig:
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32 (float), bfloat16 or float16 (half), got {self.dtype!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: tensor parallelism is not "
-                             "implemented yet; only 1 (one device) is accepted")
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+(,\d+)*", self.device)):
+            raise ValueError(f"--device must be auto, cpu, cuda, cuda:N or cuda:N,M,..., got {self.device!r}")
+        num_listed = self.device.count(",") + 1 if self.device.startswith("cuda:") else None
+        if num_listed is not None and num_listed != self.tensor_parallel_size:
+            raise ValueError(f"--device {self.device} names {num_listed} GPUs for --tensor-parallel-size "
+                             f"{self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1:
+            # NOTE: the decode CUDA graphs would capture rank 0's step broadcasts with one step's sizes;
+            # until the workers capture and replay graphs of their own, tensor-parallel steps run eagerly.
+            self.enforce_eager = True
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.yarn_scaling_factor is not None and self.yarn_scaling_factor <= 1.0:

@@ -117,9 +117,14 @@ class EngineServer:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig,
                  llm_engine: LLMEngine | None = None):
         self.server_config = server_config
-        self.exit_code = 0  # 1 once the engine core died
+        self.exit_code = 0  # 1 once the engine core or a tensor-parallel worker died
+        self.failure: str | None = None  # what died, when something did
         self.core: CoreClient | None = None
-        if llm_engine is None and not server_config.engine_in_process:
+        # Tensor parallelism: the worker ranks rank 0 started (`distributed/workers.py`); one that dies
+        # stops the server (NOT_SERVING, then a non-zero exit). NOTE: rank 0 runs in this process for now
+        # (its workers report here), so tensor parallelism keeps the engine core in process.
+        self.tp_workers = self._tp_driver = None
+        if llm_engine is None and not server_config.engine_in_process and engine_config.tensor_parallel_size == 1:
             self._init_core_process(engine_config)
         else:
             self._init_in_process(engine_config, llm_engine)
@@ -176,6 +181,8 @@ class EngineServer:
         else:
             loaded, device, dtype = llm_engine.loaded, llm_engine.device, llm_engine.dtype
         self.llm_engine = llm_engine
+        self.tp_workers = getattr(loaded.model, "workers", None)
+        self._tp_driver = loaded.model if self.tp_workers is not None else None
         self.model = ModelInfo.of(loaded, engine_config.served_model_name, device, dtype)
         self.async_engine = AsyncEngine(llm_engine) if llm_engine is not None else None
         self.embedder = create_embedding_engine(
@@ -199,6 +206,9 @@ class EngineServer:
 
     async def start(self) -> int:
         cfg = self.server_config
+        if self.tp_workers is not None:
+            loop = asyncio.get_running_loop()
+            self.tp_workers.on_failure = lambda message: loop.call_soon_threadsafe(self._fail, message)
         for engine in self.engines:
             engine.start()
         address, credentials = f"{cfg.host}:{cfg.port}", server_credentials(cfg)
@@ -221,6 +231,11 @@ class EngineServer:
     def request_shutdown(self) -> None:
         self._shutdown.set()
 
+    def _fail(self, message: str) -> None:
+        """A part the server cannot run without is gone: NOT_SERVING at once, then down, exit code 1."""
+        self.failure = message
+        self._on_core_died()
+
     async def wait_for_shutdown(self) -> None:
         await self._shutdown.wait()
         await self.shutdown()
@@ -242,6 +257,8 @@ class EngineServer:
         for engine in self.engines:
             await engine.stop()  # aborts whatever did not finish in time
         await self.server.stop(grace=1.0)
+        if self.tp_workers is not None:
+            await asyncio.to_thread(self.tp_workers.stop, self._tp_driver)
         logger.info("shut down")
 
 
@@ -264,4 +281,6 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
     if on_started is not None:
         await on_started(server)
     await server.wait_for_shutdown()
+    if server.failure is not None:
+        logger.error("stopped after a failure: %s", server.failure)
     return server.exit_code

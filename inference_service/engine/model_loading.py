@@ -36,7 +36,15 @@ class ModelOnDevice:
 
 
 def load_model_for(config: EngineConfig) -> ModelOnDevice:
-    """Loads `config.model` the way the engine serves it (device, dtype, format, quantization)."""
+    """Loads `config.model` the way the engine serves it (device, dtype, format, quantization). With
+    `tensor_parallel_size` > 1 this is rank 0's shard, the other ranks' processes started beside it
+    (`distributed/workers.py`); the device is rank 0's."""
+    if config.tensor_parallel_size > 1:
+        from inference_service.distributed.workers import start_tensor_parallel, tensor_parallel_devices
+
+        devices = tensor_parallel_devices(config.device, config.tensor_parallel_size)
+        dtype = resolve_dtype(config.dtype, devices[0])
+        return ModelOnDevice(start_tensor_parallel(config, devices, dtype), devices[0], dtype)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     loaded = load_model(config.model, device=device, dtype=dtype, yarn_scaling_factor=config.yarn_scaling_factor,

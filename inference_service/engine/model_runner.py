@@ -78,7 +78,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         sched = config.scheduler
         backend = self.model.attention_backend
-        self.kv_spec = KVCacheSpec.build(loaded.config, config.cache, dtype, backend.name)
+        # The model's own config: a tensor-parallel rank's holds its share of the KV heads.
+        self.kv_spec = KVCacheSpec.build(self.model.config, config.cache, dtype, backend.name)
         use_graphs = device.type == "cuda" and not config.enforce_eager and backend.name == "triton"
         graph_batch = config.cuda_graph_batch_size if use_graphs else 0
 

@@ -192,6 +192,17 @@ def test_standalone_envoy_config_is_valid_and_matches_the_chart(rendered, tmp_pa
     assert engines_cluster(standalone)["health_checks"][0]["no_traffic_interval"] == "2s"
 
 
+def test_tensor_parallel_size_sets_the_gpu_request(chart):
+    values = {**values_of("gpu"), "engine": {**values_of("gpu")["engine"], "tensorParallelSize": 4}}
+    objects = [doc for path, text in sorted(chart.render(values, name="llm", namespace="serving").items())
+               if not path.endswith("NOTES.txt") for doc in yaml.safe_load_all(text) if doc]
+    c = container(find(objects, "Deployment", "-engine"))
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == c["resources"]["requests"]["nvidia.com/gpu"] == 4
+    assert "--tensor-parallel-size=4" in c["args"] and "--device=cuda" in c["args"]
+    notes = chart.render(values, name="llm", namespace="serving")["inference-service/templates/NOTES.txt"]
+    assert "4 x nvidia.com/gpu each" in notes
+
+
 @pytest.mark.parametrize("bad, where", [
     ({"engine": {"gpu": {"count": -1}}}, "/engine/gpu/count"),
     ({"engine": {"model": {"volume": {"type": "nfs"}}}}, "/engine/model/volume/type"),
@@ -200,6 +211,7 @@ def test_standalone_envoy_config_is_valid_and_matches_the_chart(rendered, tmp_pa
     ({"proxy": {"autoscaling": {"targetCPUUtilizationPercentage": 150}}}, "/proxy/autoscaling"),
     ({"engine": {"gpus": 1}}, "/engine"),
     ({"proxy": {"workers": 0}}, "/proxy/workers"),
+    ({"engine": {"tensorParallelSize": 0}}, "/engine/tensorParallelSize"),
 ])
 def test_schema_rejects_bad_values(chart, bad, where):
     with pytest.raises(helm_python.HelmValuesError, match=where):

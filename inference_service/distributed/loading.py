@@ -1,0 +1,96 @@
+"""Loading one tensor-parallel rank's shard of a model: its config, its slices, its wrapped modules."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from inference_service.attention.backend import get_attention_backend
+from inference_service.distributed.group import TensorParallelGroup
+from inference_service.distributed.sharding import ShardPlan
+from inference_service.errors import UnsupportedModelError
+from inference_service.model import loader
+from inference_service.model.config import ModelConfig, with_yarn_scaling
+from inference_service.model.decoder import DecoderModel
+from inference_service.model.parallel_linear import parallelize
+from inference_service.model.tokenizer import Tokenizer
+
+
+@dataclass
+class ShardSource:
+    """A checkpoint opened for sharded reading: nothing but headers and metadata read yet.
+    `shard_weights(plan)` iterates the plan's slices; None: dummy weights."""
+
+    config: ModelConfig
+    tokenizer_factory: Callable[[], Tokenizer]
+    name: str
+    shard_weights: Callable[[ShardPlan], Iterable[tuple[str, torch.Tensor]]] | None
+
+
+def open_shard_source(path: str | None, load_format: str, dtype: torch.dtype,
+                      yarn_scaling_factor: float | None = None) -> ShardSource:
+    """A safetensors folder, a GGUF file, or a folder's config.json with `load_format="dummy"`."""
+    if not path or not os.path.exists(path):
+        raise UnsupportedModelError(f"tensor parallelism needs --model naming a safetensors folder or a .gguf file; "
+                                    f"{path!r} does not exist")
+    if os.path.isdir(path) and loader._is_bert_dir(path):
+        raise UnsupportedModelError("tensor parallelism serves decoders; this folder holds an encoder (BERT)")
+    if load_format == "dummy":
+        from inference_service.model.dummy import byte_tokenizer, read_dummy_config
+
+        config = read_dummy_config(path)
+        folder = path if os.path.isdir(path) else os.path.dirname(path)
+        has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer.json"))
+        source = ShardSource(config, (lambda: Tokenizer.from_hf_dir(folder)) if has_tokenizer else
+                             (lambda: byte_tokenizer(config.vocab_size)),
+                             os.path.basename(os.path.normpath(folder)) + "-dummy", None)
+    elif os.path.isdir(path):
+        from inference_service.distributed.shard_reader import ShardedSafetensors
+
+        config, _, tokenizer, name = loader._open_hf_dir(path, dtype)  # checks the dtypes; reads no tensor
+        files = loader._safetensors_files(path)
+        source = ShardSource(config, lambda: tokenizer, name,
+                             lambda plan: ShardedSafetensors(files, plan, dtype, loader._IGNORED_TENSOR_SUFFIXES))
+    elif path.endswith(".gguf"):
+        from inference_service.distributed.gguf_shards import ShardedGGUF
+        from inference_service.model.gguf_loader import GGUFCheckpoint
+
+        checkpoint = GGUFCheckpoint(path)
+        name = re.sub(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", "", os.path.basename(path)[: -len(".gguf")],
+                      flags=re.IGNORECASE)
+        source = ShardSource(checkpoint.config, lambda: Tokenizer.from_gguf_metadata(checkpoint.metadata), name,
+                             lambda plan: ShardedGGUF(checkpoint, plan, dtype))
+    else:
+        raise UnsupportedModelError(f"model path {path!r} is neither a .gguf file nor a folder")
+    if yarn_scaling_factor:
+        source.config = with_yarn_scaling(source.config, yarn_scaling_factor)
+    return source
+
+
+def load_model_shard(path: str | None, group: TensorParallelGroup, *, device: torch.device, dtype: torch.dtype,
+                     load_format: str = "auto", attention_backend: str = "auto", seed: int = 0,
+                     yarn_scaling_factor: float | None = None) -> loader.LoadedModel:
+    """This rank's part of the model at `path` (see `open_shard_source`). `LoadedModel.config` is the
+    whole model's; `LoadedModel.model.config` the rank's (its heads, MLP and vocabulary rows). Each
+    rank reads only its slices of the files."""
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise UnsupportedModelError(f"unsupported model dtype {dtype}")
+    source = open_shard_source(path, load_format, dtype, yarn_scaling_factor)
+    plan = ShardPlan(source.config, group.rank, group.world_size)
+    model = DecoderModel(plan.local_config(), device=device, dtype=dtype,
+                         attention_backend=get_attention_backend(device, attention_backend))
+    if source.shard_weights is None:
+        from inference_service.model.dummy import init_dummy_weights
+
+        init_dummy_weights(model, seed + group.rank)
+        model.finish_loading()
+    else:
+        model.load_weights(source.shard_weights(plan))
+    parallelize(model, group, plan)
+    pooling = loader._decoder_pooling(path) if os.path.isdir(path) else None
+    return loader.LoadedModel(config=source.config, model=model, tokenizer=source.tokenizer_factory(),
+                              model_path=os.path.abspath(path), model_name=source.name, pooling=pooling)
