@@ -162,18 +162,22 @@ def delta_to_proto(request_id: str, delta: CompletionDelta, tokenizer: Tokenizer
     return response
 
 
+def _token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, bytes]:
+    try:
+        raw = tokenizer.token_bytes(token_id)
+    except ValueError:  # a padding row of the model's vocabulary (alternatives may be any row): no token
+        return "", b""
+    return tokenizer.decode([token_id], skip_special_tokens=False), raw
+
+
 def _add_logprob(entries: Any, lp: TokenLogprob, tokenizer: Tokenizer) -> None:
-    entry = entries.add(
-        token_id=lp.token_id, token=tokenizer.decode([lp.token_id], skip_special_tokens=False),
-        token_bytes=tokenizer.token_bytes(lp.token_id), logprob=lp.logprob,
-    )
+    token, raw = _token_text(tokenizer, lp.token_id)
+    entry = entries.add(token_id=lp.token_id, token=token, token_bytes=raw, logprob=lp.logprob)
     if lp.rank is not None:
         entry.rank = lp.rank
     for token_id, logprob in lp.top_logprobs:
-        entry.top_logprobs.add(
-            token_id=token_id, token=tokenizer.decode([token_id], skip_special_tokens=False),
-            token_bytes=tokenizer.token_bytes(token_id), logprob=logprob,
-        )
+        token, raw = _token_text(tokenizer, token_id)
+        entry.top_logprobs.add(token_id=token_id, token=token, token_bytes=raw, logprob=logprob)
 
 
 def embed_inputs_from_proto(msg: pb.EmbedRequest) -> list[str | list[int]]:
