@@ -13,9 +13,9 @@ import torch
 
 from inference_service.attention.metadata import AttentionMetadata
 from inference_service.config import EngineConfig
+from inference_service.engine import prompt_logprobs
 from inference_service.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from inference_service.engine.kv_cache import KVCacheSpec, allocate_kv_caches, profile_activation_bytes
-from inference_service.engine import prompt_logprobs
 from inference_service.engine.prompt_logprobs import PendingPromptLogprobs
 from inference_service.engine.request import TokenLogprob
 from inference_service.engine.sampler import PendingSample, Sampler

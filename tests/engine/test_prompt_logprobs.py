@@ -5,8 +5,6 @@ Also priority scheduling over gRPC: queued requests start lowest priority value 
 
 from __future__ import annotations
 
-import urllib.request
-
 import grpc
 import pytest
 import torch
