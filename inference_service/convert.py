@@ -9,7 +9,7 @@ from inference_service.api import pb
 from inference_service.engine.embedding_engine import EmbeddingResult, EmbedOptions
 from inference_service.engine.generation_config import GenerationDefaults
 from inference_service.engine.input_processor import ChatPrompt
-from inference_service.engine.request import CompletionDelta
+from inference_service.engine.request import CompletionDelta, TokenLogprob
 from inference_service.engine.sampling_params import SamplingParams
 from inference_service.engine.sequence import FinishReason
 from inference_service.engine.structured_output import StructuredOutputSpec
@@ -149,17 +149,10 @@ def delta_to_proto(request_id: str, delta: CompletionDelta, tokenizer: Tokenizer
     )
     if delta.stop_reason is not None:
         response.stop_reason = str(delta.stop_reason)
-    if delta.logprobs:
-        for lp in delta.logprobs:
-            entry = response.logprobs.add(
-                token_id=lp.token_id, token=tokenizer.decode([lp.token_id], skip_special_tokens=False),
-                token_bytes=tokenizer.token_bytes(lp.token_id), logprob=lp.logprob,
-            )
-            for token_id, logprob in lp.top_logprobs:
-                entry.top_logprobs.add(
-                    token_id=token_id, token=tokenizer.decode([token_id], skip_special_tokens=False),
-                    token_bytes=tokenizer.token_bytes(token_id), logprob=logprob,
-                )
+    for lp in delta.logprobs or ():
+        _add_logprob(response.logprobs, lp, tokenizer)
+    for lp in delta.prompt_logprobs or ():
+        _add_logprob(response.prompt_logprobs, lp, tokenizer)
     if delta.usage is not None:
         u = delta.usage
         response.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
@@ -167,6 +160,24 @@ def delta_to_proto(request_id: str, delta: CompletionDelta, tokenizer: Tokenizer
     if delta.error is not None:
         response.error.CopyFrom(error_to_proto(delta.error))
     return response
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, bytes]:
+    try:
+        raw = tokenizer.token_bytes(token_id)
+    except ValueError:  # a padding row of the model's vocabulary (alternatives may be any row): no token
+        return "", b""
+    return tokenizer.decode([token_id], skip_special_tokens=False), raw
+
+
+def _add_logprob(entries: Any, lp: TokenLogprob, tokenizer: Tokenizer) -> None:
+    token, raw = _token_text(tokenizer, lp.token_id)
+    entry = entries.add(token_id=lp.token_id, token=token, token_bytes=raw, logprob=lp.logprob)
+    if lp.rank is not None:
+        entry.rank = lp.rank
+    for token_id, logprob in lp.top_logprobs:
+        token, raw = _token_text(tokenizer, token_id)
+        entry.top_logprobs.add(token_id=token_id, token=token, token_bytes=raw, logprob=logprob)
 
 
 def embed_inputs_from_proto(msg: pb.EmbedRequest) -> list[str | list[int]]:

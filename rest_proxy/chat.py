@@ -17,7 +17,7 @@ from inference_service.api import pb
 from rest_proxy.chat_state import ChoiceState
 from rest_proxy.engine_client import EngineClient, EngineRouter
 from rest_proxy.errors import ProxyError, invalid_request
-from rest_proxy.events import ChatDelta, ChatEvent, ChatFinish, StreamUsage
+from rest_proxy.events import ChatDelta, ChatEvent, ChatFinish, PromptLogprobs, StreamUsage
 from rest_proxy.metrics import ProxyMetrics
 from rest_proxy.protocol import ChatCompletionRequest, ChatMessageParam, FunctionCallParam, ToolCallParam
 from rest_proxy.reasoning import (PromptState, ReasoningFormat, ReasoningParser, answer_after_thinking, get_format,
@@ -25,9 +25,10 @@ from rest_proxy.reasoning import (PromptState, ReasoningFormat, ReasoningParser,
 from rest_proxy.schemas import check_json_schema, strict_schema
 from rest_proxy.sse import ChunkWriter, write_chunks
 from rest_proxy.tool_parsers import ToolParser, get_parser, select_parser
-from rest_proxy.translate import (add_usage, chat_input, chat_logprobs, check_max_tokens, check_wire_safe,
-                                  finish_reason, format_field, map_format_error, message_text, sampling_params,
-                                  set_request_options, stopping_criteria, system_fingerprint, template_renders_tools, usage_dict)
+from rest_proxy.translate import (add_usage, chat_input, chat_logprobs, check_max_tokens, check_prompt_logprobs,
+                                  check_wire_safe, finish_reason, format_field, map_format_error, message_text,
+                                  sampling_params, set_request_options, stopping_criteria, system_fingerprint,
+                                  template_renders_tools, usage_dict, vllm_prompt_logprobs)
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class ChatService:
         return select_format(client.info.chat_template if client.info else "")
 
     async def plan(self, req: ChatCompletionRequest) -> ChatPlan:
+        check_prompt_logprobs(req)
         client = await self.router.resolve(req.model)
         info = client.info
         check_max_tokens(info, req.max_completion_tokens or req.max_tokens)
@@ -213,6 +215,8 @@ class ChatService:
                 async for resp in responses:
                     if resp.index >= len(states):
                         continue
+                    if resp.prompt_logprobs and first:  # completion 0's first message
+                        yield PromptLogprobs(0, vllm_prompt_logprobs(resp.prompt_logprobs))
                     if echo and resp.index not in echoed:  # once the engine has answered, not before
                         echoed.add(resp.index)
                         yield ChatDelta(resp.index, [{"content": echo}], None)
@@ -273,11 +277,13 @@ class ChatService:
     async def complete(self, plan: ChatPlan) -> dict:
         states = {i: ChoiceState(None, has_reasoning_field=plan.reasoning is not None) for i in range(plan.req.n)}
         reasons: dict[int, str] = {}
-        usage = None
+        usage = prompt_lps = None
         # NOTE: re-assemble from the deltas so the answer is by construction the stream's sum.
         async with aclosing(self.events(plan)) as events:
             async for event in events:
                 match event:
+                    case PromptLogprobs(entries=entries):
+                        prompt_lps = entries
                     case ChatDelta():
                         _accumulate(states[event.index], event.deltas, event.logprobs)
                     case ChatFinish():
@@ -289,9 +295,12 @@ class ChatService:
             st = states[i]
             choices.append({"index": i, "message": st.message(), "finish_reason": reasons.get(i, "stop"),
                             "logprobs": {"content": st.logprobs, "refusal": None} if plan.req.logprobs else None})
-        return {"id": plan.request_id, "object": "chat.completion", "created": plan.created,
-                "model": plan.req.model, "system_fingerprint": system_fingerprint(plan.client.info),
-                "choices": choices, "usage": usage}
+        answer = {"id": plan.request_id, "object": "chat.completion", "created": plan.created,
+                  "model": plan.req.model, "system_fingerprint": system_fingerprint(plan.client.info),
+                  "choices": choices, "usage": usage}
+        if plan.req.prompt_logprobs is not None:
+            answer["prompt_logprobs"] = prompt_lps  # vLLM's place: the response, not a choice
+        return answer
 
     def stream(self, plan: ChatPlan) -> AsyncIterator[str]:
         """SSE `data:` chunks; the first is yielded only once the engine has answered."""
@@ -312,7 +321,9 @@ class _ChatChunks:
         self.started: set[int] = set()
         self.is_first_text = True
 
-    def __call__(self, event: ChatDelta | ChatFinish) -> list[list[dict]]:
+    def __call__(self, event: ChatDelta | ChatFinish | PromptLogprobs) -> list[list[dict]]:
+        if isinstance(event, PromptLogprobs):
+            return []  # a stream asks for none but 0 (see `check_prompt_logprobs`)
         chunks = []
         if event.index not in self.started:
             self.started.add(event.index)

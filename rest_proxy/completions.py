@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from inference_service.api import pb
 from rest_proxy.engine_client import EngineClient, EngineRouter
 from rest_proxy.errors import ProxyError, invalid_request
-from rest_proxy.events import CompletionEvent, StreamUsage, TextDelta
+from rest_proxy.events import CompletionEvent, PromptLogprobs, StreamUsage, TextDelta
 from rest_proxy.metrics import ProxyMetrics
 from rest_proxy.protocol import CompletionRequest
 from rest_proxy.sse import ChunkWriter, write_chunks
-from rest_proxy.translate import (add_usage, check_max_tokens, check_wire_safe, default_max_tokens, finish_reason,
-                                  sampling_params, set_request_options, stopping_criteria, system_fingerprint,
-                                  usage_dict)
+from rest_proxy.translate import (add_usage, check_max_tokens, check_prompt_logprobs, check_wire_safe,
+                                  default_max_tokens, finish_reason, sampling_params, set_request_options,
+                                  stopping_criteria, system_fingerprint, usage_dict, vllm_prompt_logprobs)
 
 
 def prompt_inputs(prompt) -> list[str | list[int]]:
@@ -79,6 +79,7 @@ class CompletionService:
             raise invalid_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise invalid_request("best_of other than n is not supported", "best_of")
+        check_prompt_logprobs(req)
         client = await self.router.resolve(req.model)
         info = client.info
         check_max_tokens(info, req.max_tokens)
@@ -117,6 +118,8 @@ class CompletionService:
         async with aclosing(plan.client.generate_many(plan.starts)) as merged:
             async for p, resp in merged:
                 index = p * req.n + resp.index
+                if resp.prompt_logprobs:  # completion 0's first message
+                    yield PromptLogprobs(p, vllm_prompt_logprobs(resp.prompt_logprobs))
                 text = resp.text
                 if index not in echoed:
                     echoed.add(index)
@@ -139,10 +142,14 @@ class CompletionService:
         texts: list[list[str]] = [[] for _ in range(n)]
         lps: list[dict | None] = [None] * n
         reasons: list[str] = ["stop"] * n
+        # vLLM's: every choice of a prompt carries its prompt logprobs.
+        prompt_lps: dict[int, list[dict | None]] = {}
         usage = None
         async with aclosing(self._events(plan)) as events:
             async for event in events:
                 match event:
+                    case PromptLogprobs(index=p, entries=entries):
+                        prompt_lps[p] = entries
                     case TextDelta(index=i):
                         texts[i].append(event.text)
                         if event.logprobs is not None:
@@ -153,6 +160,9 @@ class CompletionService:
                         usage = event.usage
         choices = [{"index": i, "text": "".join(texts[i]), "logprobs": lps[i], "finish_reason": reasons[i]}
                    for i in range(n)]
+        if plan.req.prompt_logprobs is not None:
+            for i, choice in enumerate(choices):
+                choice["prompt_logprobs"] = prompt_lps.get(i // plan.req.n)
         return {"id": plan.request_id, "object": "text_completion", "created": plan.created,
                 "model": plan.req.model, "system_fingerprint": system_fingerprint(plan.client.info),
                 "choices": choices, "usage": usage}
@@ -166,6 +176,8 @@ class CompletionService:
         return write_chunks(writer, self._events(plan), _text_chunks)
 
 
-def _text_chunks(event: TextDelta) -> list[list[dict]]:
+def _text_chunks(event: TextDelta | PromptLogprobs) -> list[list[dict]]:
+    if isinstance(event, PromptLogprobs):
+        return []  # a stream asks for none but 0 (see `check_prompt_logprobs`)
     return [[{"index": event.index, "text": event.text, "logprobs": event.logprobs,
               "finish_reason": event.finish_reason}]]

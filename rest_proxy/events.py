@@ -37,11 +37,20 @@ class TextDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """The prompt logprobs of prompt `index` (completions: position in the request's prompt list; chat: 0) in
+    vLLM's layout (see `translate.vllm_prompt_logprobs`). Only non-streaming answers carry them."""
+
+    index: int
+    entries: list[dict | None]
+
+
+@dataclass(frozen=True, slots=True)
 class StreamUsage:
     """The token counts of the whole request: always the last event."""
 
     usage: dict
 
 
-ChatEvent = ChatDelta | ChatFinish | StreamUsage
-CompletionEvent = TextDelta | StreamUsage
+ChatEvent = ChatDelta | ChatFinish | PromptLogprobs | StreamUsage
+CompletionEvent = TextDelta | PromptLogprobs | StreamUsage

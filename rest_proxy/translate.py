@@ -234,6 +234,28 @@ def _lp_bytes(raw: bytes) -> list[int]:
     return list(raw)
 
 
+def check_prompt_logprobs(req: _SamplingFields) -> None:
+    """vLLM's rule: prompt logprobs come with the whole answer only, not in a stream."""
+    if req.stream and req.prompt_logprobs:
+        raise invalid_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+
+
+def _clamped(logprob: float) -> float:
+    return max(logprob, -9999.0)  # vLLM's clamp: JSON has no -inf
+
+
+def vllm_prompt_logprobs(items: Iterable[pb.TokenLogprob]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token (it has no context), then for each later
+    one {token_id: {logprob, rank, decoded_token}} of the prompt token and its top alternatives."""
+    out: list[dict | None] = [None]
+    for lp in items:
+        entry = {str(lp.token_id): {"logprob": _clamped(lp.logprob), "rank": lp.rank, "decoded_token": lp.token}}
+        for rank, t in enumerate(lp.top_logprobs, 1):
+            entry.setdefault(str(t.token_id), {"logprob": _clamped(t.logprob), "rank": rank, "decoded_token": t.token})
+        out.append(entry)
+    return out
+
+
 def chat_logprobs(items: Iterable[pb.TokenLogprob], top: int) -> list[dict]:
     return [{"token": lp.token, "logprob": lp.logprob, "bytes": _lp_bytes(lp.token_bytes),
              "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _lp_bytes(t.token_bytes)}

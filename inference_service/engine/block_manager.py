@@ -99,6 +99,9 @@ class BlockManager:
 
     def _allocate_first(self, seq: Sequence, num_new_tokens: int) -> bool:
         hit_ids = self.find_cached_prefix(seq.token_ids)
+        if seq.is_collecting_prompt_logprobs:
+            # NOTE: a cached position has no logits: recompute from the first one still without logprobs.
+            hit_ids = hit_ids[: seq.num_prompt_logprobs_scheduled // self.block_size]
         num_hit_tokens = len(hit_ids) * self.block_size
         num_new_tokens = min(num_new_tokens, len(seq.token_ids) - num_hit_tokens)
         num_new_blocks = self.blocks_needed(num_hit_tokens + num_new_tokens) - len(hit_ids)

@@ -8,7 +8,7 @@ from typing import Any
 
 from inference_service.engine.request import EngineRequest
 from inference_service.engine.sampling_params import SamplingParams
-from inference_service.errors import InvalidRequestError, UnimplementedError
+from inference_service.errors import InvalidRequestError
 from inference_service.model.tokenizer import Tokenizer
 
 # Variables the engine itself hands the chat template; `chat_template_kwargs` may not set them (each has
@@ -110,9 +110,6 @@ class InputProcessor:
     ) -> EngineRequest:
         if not isinstance(priority, int) or isinstance(priority, bool) or not -2**31 <= priority < 2**31:
             raise InvalidRequestError(f"priority must be a 32-bit integer, got {priority!r}", field="priority")
-        if params.prompt_logprobs is not None:
-            # NOTE: needs the logits of every prompt position (and no prefix-cache hits); not built yet.
-            raise UnimplementedError("sampling.prompt_logprobs is not supported yet", field="sampling.prompt_logprobs")
         prompt_ids = self.tokenize_prompt(prompt, add_special_tokens, params.truncate_prompt_tokens)
         num_prompt = len(prompt_ids)
         if num_prompt == 0:

@@ -18,7 +18,7 @@ from inference_service.engine.input_processor import InputProcessor
 from inference_service.engine.model_runner import LaunchedStep, ModelRunner, SampledToken
 from inference_service.engine.output_processor import OutputProcessor
 from inference_service.engine.model_loading import load_model_for, resolve_device, resolve_dtype
-from inference_service.engine.request import CompletionDelta, EngineRequest, RequestOutput, Usage
+from inference_service.engine.request import CompletionDelta, EngineRequest, RequestOutput, TokenLogprob, Usage
 from inference_service.engine.sampling_params import SamplingParams
 from inference_service.engine.scheduler import Scheduler, SchedulerOutput
 from inference_service.engine.sequence import FinishReason, Sequence
@@ -156,6 +156,8 @@ class LLMEngine:
                 grammar=grammar if index == 0 or grammar is None else grammar.deep_copy(),
                 arrival_time=request.arrival_time,
                 priority=request.priority,
+                # The prompt's logprobs are the same for every completion: completion 0 computes them.
+                prompt_logprobs=[] if index == 0 and params.prompt_logprobs is not None else None,
             )
             seqs.append(seq)
             self.output_processor.add(seq)
@@ -246,8 +248,20 @@ class LLMEngine:
         if in_flight is None:
             return []
         sampled = in_flight.launched.result()
+        self._add_prompt_logprobs(in_flight.sched_out, in_flight.launched.prompt_logprobs())
         self.metrics.on_step(in_flight.sched_out, time.perf_counter() - in_flight.start_time)
         return self.update_from_output(in_flight.sched_out, sampled)
+
+    @staticmethod
+    def _add_prompt_logprobs(sched_out: SchedulerOutput, new_entries: dict[int, list[TokenLogprob]]) -> None:
+        """Appends a step's prompt logprobs to their sequences (before the step's sampled tokens, so that the
+        first token's delta finds them complete)."""
+        if not new_entries:
+            return
+        for s in sched_out.scheduled:
+            entries = new_entries.get(s.seq.seq_id)
+            if entries is not None:
+                s.seq.prompt_logprobs += entries
 
     def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[int, SampledToken]) -> list[CompletionDelta]:
         """Appends a finished step's sampled tokens (by `seq_id`) and returns their deltas."""
@@ -257,6 +271,9 @@ class LLMEngine:
         for seq in self.scheduler.update_from_output(sched_out, token_ids):
             state = self.requests[seq.request_id]
             delta, stop_string_verdict = self.output_processor.process(seq, sampled[seq.seq_id])
+            if seq.prompt_logprobs is not None and seq.num_output_tokens == 1:
+                assert len(seq.prompt_logprobs) == seq.num_prompt_tokens - 1
+                delta.prompt_logprobs = seq.prompt_logprobs
             if stop_string_verdict is not None:
                 self.scheduler.finish(seq, stop_string_verdict.reason, stop_string_verdict.stop_reason)
             if state.first_token_time is None:

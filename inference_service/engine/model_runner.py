@@ -13,8 +13,11 @@ import torch
 
 from inference_service.attention.metadata import AttentionMetadata
 from inference_service.config import EngineConfig
+from inference_service.engine import prompt_logprobs
 from inference_service.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from inference_service.engine.kv_cache import KVCacheSpec, allocate_kv_caches, profile_activation_bytes
+from inference_service.engine.prompt_logprobs import PendingPromptLogprobs
+from inference_service.engine.request import TokenLogprob
 from inference_service.engine.sampler import PendingSample, Sampler
 from inference_service.engine.sampling_state import SamplingRows, SamplingState
 from inference_service.engine.scheduler import ScheduledSeq
@@ -42,15 +45,18 @@ class ForwardStep:
     # A row's format mask needs the step in flight's tokens on the host: process that step's
     # outputs before `sample_tokens` (the forward is queued already).
     waits_for_previous_step: bool
+    prompt_logprobs: PendingPromptLogprobs | None = None  # of the sequences collecting them
 
 
 class LaunchedStep:
     """A step queued on the device: its sampled ids are on the GPU at once and on the host after
     `result()`."""
 
-    def __init__(self, sampling_seq_ids: list[int], sample: PendingSample | None):
+    def __init__(self, sampling_seq_ids: list[int], sample: PendingSample | None,
+                 pending_prompt_logprobs: PendingPromptLogprobs | None = None):
         self._sampling_seq_ids = sampling_seq_ids
         self._sample = sample
+        self._prompt_logprobs = pending_prompt_logprobs
         self.pending = None if sample is None else PendingTokenIds(
             sample.token_ids, {seq_id: j for j, seq_id in enumerate(sampling_seq_ids)})
 
@@ -63,6 +69,10 @@ class LaunchedStep:
             seq_id: SampledToken(out.token_ids[j], out.logprobs[j], out.top_logprobs[j])
             for j, seq_id in enumerate(self._sampling_seq_ids)
         }
+
+    def prompt_logprobs(self) -> dict[int, list[TokenLogprob]]:
+        """Waits for the step's prompt logprobs; returns each collecting sequence's new entries by `seq_id`."""
+        return {} if self._prompt_logprobs is None else self._prompt_logprobs.result()
 
 
 class ModelRunner:
@@ -115,6 +125,9 @@ class ModelRunner:
         pending = None if in_flight is None else in_flight.pending
         input_ids, positions, metadata = self.inputs.prepare(scheduled, pad_to=padded, pending=pending)
         rows = [i for i, s in enumerate(scheduled) if s.is_sampling]
+        prompt_rows = (prompt_logprobs.select_rows(scheduled, metadata.query_start_loc_cpu)
+                       if padded is None else None)
+        pending_prompt = None
         if padded is not None:
             logits = self.graphs.replay(padded)[:num_seqs]  # [S, vocab], one row a sequence
             if not rows:
@@ -123,8 +136,10 @@ class ModelRunner:
                 logits = logits[to_device(rows, torch.long, self.device)]
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
+            if prompt_rows is not None:
+                pending_prompt = prompt_logprobs.compute(self.model, hidden, prompt_rows)
             if not rows:
-                return ForwardStep([], None, False)
+                return ForwardStep([], None, False, pending_prompt)
             if len(rows) == num_seqs == hidden.shape[0]:
                 last_hidden = hidden  # one token a sequence, and every one samples
             else:
@@ -138,14 +153,14 @@ class ModelRunner:
         waits = in_flight is not None and in_flight.pending is not None and any(
             seq.grammar is not None or seq.params.has_multi_token_bad_words for seq in seqs)
         self.num_sampling_waits += waits
-        return ForwardStep(seqs, logits, waits)
+        return ForwardStep(seqs, logits, waits, pending_prompt)
 
     @torch.inference_mode()
     def sample_tokens(self, forward: ForwardStep) -> LaunchedStep:
         """Queues the sampling of a forward step's logits; returns at once."""
         seqs = forward.seqs
         if not seqs:
-            return LaunchedStep([], None)
+            return LaunchedStep([], None, forward.prompt_logprobs)
         batch = self.sampling_state.batch(
             self.sampling_rows.slots(seqs),
             # Outputs so far: those on the host and those pending, less the one this step samples.
@@ -155,11 +170,13 @@ class ModelRunner:
         )
         sample = self.sampler.sample(forward.logits, batch)
         self.sampling_state.record_sampled(batch, sample.token_ids)
-        return LaunchedStep([seq.seq_id for seq in seqs], sample)
+        return LaunchedStep([seq.seq_id for seq in seqs], sample, forward.prompt_logprobs)
 
     def _graph_size(self, scheduled: list[ScheduledSeq]) -> int | None:
         """The captured batch size this step replays at, or None to run it eagerly."""
-        if self.graphs is None or any(s.num_new_tokens != 1 for s in scheduled):
+        # NOTE: the graphs keep only the logits of each sequence's last row, not its hidden states.
+        if self.graphs is None or any(s.num_new_tokens != 1 or s.seq.is_collecting_prompt_logprobs
+                                      for s in scheduled):
             return None
         return self.graphs.padded_size(len(scheduled))
 

@@ -30,6 +30,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]]  # (token_id, logprob), most likely first
+    rank: int | None = None  # 1 + the number of tokens more likely than `token_id`; None: not computed
 
 
 @dataclass(slots=True)
@@ -55,6 +56,8 @@ class CompletionDelta:
     stop_reason: str | int | None = None
     usage: Usage | None = None
     error: EngineError | None = None
+    # The prompt's logprobs (tokens 1.. of the prompt), on completion 0's first delta when asked for.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def is_last(self) -> bool:
@@ -69,6 +72,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)  # empty unless the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # completion 0, with `prompt_logprobs`
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
 
@@ -90,6 +94,8 @@ class RequestOutput:
         completion.token_ids += delta.token_ids
         completion.text += delta.text
         completion.logprobs += delta.logprobs or []
+        if delta.prompt_logprobs is not None:
+            completion.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             completion.finish_reason, completion.stop_reason = delta.finish_reason, delta.stop_reason
         if delta.usage is not None:

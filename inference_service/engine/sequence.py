@@ -72,6 +72,12 @@ class Sequence:
     num_hashed_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
     num_preemptions: int = 0
     num_pending_tokens: int = 0  # sampled by a scheduled step, id not yet appended to token_ids
+    # With `params.prompt_logprobs` (completion 0 only): entry i is prompt token i + 1's logprob, from the
+    # logits at position i. None: not collected.
+    prompt_logprobs: list | None = None
+    # Prompt positions whose logprobs a launched step computes (they arrive with its outputs). It never
+    # goes back: a preempted sequence's recompute skips them, so none is duplicated or lost.
+    num_prompt_logprobs_scheduled: int = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -91,6 +97,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
+
+    @property
+    def is_collecting_prompt_logprobs(self) -> bool:
+        """Some prompt position's logprobs are still to be computed (and so may not come from the prefix cache)."""
+        return self.prompt_logprobs is not None and self.num_prompt_logprobs_scheduled < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

@@ -152,3 +152,50 @@ def test_truncate_stop_str_priority_and_echo(sdk, proxy):
         assert e.value.status_code == 400 and e.value.body["param"] == param, body
     version = httpx.get(proxy.url + "/version").json()
     assert version == {"version": ENGINE_VERSION, "engines": [{"model": model, "version": ENGINE_VERSION}]}
+
+
+def grpc_prompt_logprobs(stub, num_top: int) -> list[pb.TokenLogprob]:
+    stream = GenerateStream(stub)
+    stream.start("plp", text=PROMPT, sampling=pb.SamplingParams(prompt_logprobs=num_top),
+                 stopping=pb.StoppingCriteria(max_tokens=1))
+    first = stream.next()
+    stream.wait_done({"plp"})
+    stream.close()
+    return list(first.prompt_logprobs)
+
+
+def vllm_entry(lp: pb.TokenLogprob) -> dict:
+    """vLLM's layout of one prompt position: the prompt token first, then the alternatives not already in it."""
+    entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.token}}
+    for rank, t in enumerate(lp.top_logprobs, 1):
+        entry.setdefault(str(t.token_id), {"logprob": t.logprob, "rank": rank, "decoded_token": t.token})
+    return entry
+
+
+def test_prompt_logprobs_through_the_proxy_in_vllms_shape(sdk, stub):
+    model = sdk.models.list().data[0].id
+    expected = grpc_prompt_logprobs(stub, 2)
+    assert len(expected) == 11 and all(len(lp.top_logprobs) == 2 and lp.rank >= 1 for lp in expected)
+    resp = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=2, n=2, extra_body={"prompt_logprobs": 2})
+    assert resp.usage.prompt_tokens == 12
+    for choice in resp.choices:  # every choice of the prompt, as in vLLM
+        assert choice.prompt_logprobs == [None] + [vllm_entry(lp) for lp in expected]
+    first = resp.choices[0].prompt_logprobs[1]
+    assert {v["rank"] for v in first.values()} >= {1, 2}
+    # Chat: vLLM puts them on the response, for the rendered prompt.
+    chat = sdk.chat.completions.create(model=model, max_tokens=2, messages=[{"role": "user", "content": PROMPT}],
+                                       extra_body={"prompt_logprobs": 0})
+    entries = chat.model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == chat.usage.prompt_tokens
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in entries[1:])
+    plain = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=2)
+    assert "prompt_logprobs" not in plain.choices[0].model_extra
+    for body, stream in (({"prompt_logprobs": 21}, False), ({"prompt_logprobs": -1}, False),
+                         ({"prompt_logprobs": 1}, True)):
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk.completions.create(model=model, prompt=PROMPT, max_tokens=2, stream=stream, extra_body=body)
+        assert e.value.status_code == 400 and e.value.body["param"] == "prompt_logprobs", body
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk.chat.completions.create(model=model, max_tokens=2, messages=[{"role": "user", "content": PROMPT}],
+                                        stream=stream, extra_body=body)
+        assert e.value.status_code == 400 and e.value.body["param"] == "prompt_logprobs", body
