@@ -18,6 +18,8 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "StableLmForCausalLM": "stablelm",
     "Glm4ForCausalLM": "glm4",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 # GGUF `general.architecture` -> (model_type, HF architecture).
 GGUF_ARCHITECTURES = {
@@ -45,6 +47,10 @@ class ModelConfig:
     ("sliding_attention") or the whole context; None with a `sliding_window` = every layer slides.
     `rms_norm_eps` is the epsilon of the model's norms, LayerNorm ones (StableLM) included.
     `rope_local_theta`: the RoPE base of the sliding layers when it differs (Gemma 3).
+
+    Mixture of experts (Qwen3-MoE, Mixtral; `model/moe.py`): `num_experts` > 0 makes the layers in
+    `moe_layers` (None = every layer) route each token to `num_experts_per_tok` experts of
+    `moe_intermediate_size`; `norm_topk_prob` renormalizes the chosen experts' weights to sum to 1.
     """
 
     model_type: str
@@ -72,6 +78,11 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     partial_rotary_factor: float = 1.0
     rope_local_theta: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -110,6 +121,15 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"partial_rotary_factor {self.partial_rotary_factor} gives rotary dims {self.rotary_dim} of "
                 f"head_dim {self.head_dim}; they must be a positive even number")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0:
+                raise UnsupportedModelError(
+                    f"mixture of experts needs 0 < num_experts_per_tok <= num_experts and moe_intermediate_size > 0; "
+                    f"got {self.num_experts_per_tok} of {self.num_experts}, moe_intermediate_size "
+                    f"{self.moe_intermediate_size}")
+            if self.moe_layers is not None and not set(self.moe_layers) <= set(range(self.num_hidden_layers)):
+                raise UnsupportedModelError(f"moe_layers {list(self.moe_layers)} name layers past "
+                                            f"{self.num_hidden_layers}")
         if not self.rms_norm_eps > 0:
             raise UnsupportedModelError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
         if self.rope_theta <= 0:
@@ -133,6 +153,10 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """How many leading dims of each head RoPE rotates (HF: int(head_dim * partial_rotary_factor))."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`; None = it attends over the whole context."""
@@ -170,7 +194,7 @@ class ModelConfig:
             # HF's defaults: Gemma 2 alternates local/global from layer 0; Gemma 3 has 5 local, 1 global.
             period = 2 if model_type == "gemma2" else int(cfg.get("sliding_window_pattern") or 6)
             layer_types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(num_layers)]
-        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             window = None  # Qwen's sliding_window applies only with use_sliding_window
         if model_type in ("llama", "stablelm", "glm4"):
             window = None  # not part of these architectures
@@ -193,7 +217,7 @@ class ModelConfig:
             # Qwen2 always has q/k/v biases, StableLM says so in `use_qkv_bias`, the others in `attention_bias`.
             attention_bias=True if model_type == "qwen2" else bool(
                 cfg.get("use_qkv_bias" if model_type == "stablelm" else "attention_bias", default_bias)),
-            use_qk_norm=model_type in ("qwen3", "gemma3_text"),
+            use_qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             hidden_act=(cfg.get("hidden_activation") or "gelu_pytorch_tanh") if is_gemma else cfg.get("hidden_act", "silu"),
             sliding_window=window,
             layer_types=tuple(layer_types) if layer_types is not None and window is not None else None,
@@ -205,6 +229,7 @@ class ModelConfig:
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256) if is_gemma else None,
             partial_rotary_factor=float(_partial_rotary_factor(cfg, model_type)),
             rope_local_theta=rope_local_theta,
+            **_hf_moe_fields(cfg, model_type, num_layers),
         )
 
     # ------------------------------------------------------------------ GGUF metadata
@@ -270,10 +295,30 @@ def _refuse_unsupported_fields(cfg: dict[str, Any], architecture: str, model_typ
         if cfg.get(name):
             raise UnsupportedModelError(f"{architecture} with {name}={cfg[name]!r} is not supported")
     window = cfg.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window \
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window") and window \
             and window < cfg.get("max_position_embeddings", 0):
         # NOTE: Qwen slides only in the layers from max_window_layers on; not implemented.
         raise UnsupportedModelError(f"{architecture} with use_sliding_window (sliding_window={window}) is not supported")
+
+
+def _hf_moe_fields(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from a Qwen3-MoE or Mixtral config.json."""
+    if model_type == "mixtral":
+        return dict(num_experts=int(cfg.get("num_local_experts", 8)),
+                    num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
+    if model_type != "qwen3_moe":
+        return {}
+    # Hub checkpoints say num_experts; transformers 5 writes it as num_local_experts.
+    num_experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 128)))
+    step, dense_layers = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
+    # HF: a layer is sparse unless listed in mlp_only_layers, and then only every decoder_sparse_step-th.
+    moe_layers = tuple(i for i in range(num_layers)
+                       if i not in dense_layers and num_experts > 0 and (i + 1) % step == 0)
+    return dict(num_experts=num_experts, num_experts_per_tok=int(cfg.get("num_experts_per_tok", 8)),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size", 768)),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                moe_layers=None if len(moe_layers) == num_layers else moe_layers)
 
 
 def _partial_rotary_factor(cfg: dict[str, Any], model_type: str) -> float:

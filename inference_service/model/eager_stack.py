@@ -17,6 +17,7 @@ from inference_service.attention.backend import AttentionBackend
 from inference_service.attention.metadata import AttentionMetadata
 from inference_service.model.config import ModelConfig
 from inference_service.model.layers import MLP, Attention, DecoderLayer
+from inference_service.model.moe import SparseMoE, moe_forward
 from inference_service.model.norms import LayerNorm, RMSNorm
 from inference_service.model.rope import RotaryEmbedding
 
@@ -94,7 +95,9 @@ class EagerStack:
         return attn.o_proj(out.reshape(num_tokens, q_size))
 
     @staticmethod
-    def _mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(mlp: MLP | SparseMoE, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(mlp, SparseMoE):
+            return moe_forward(mlp, x)
         gate_up = mlp.gate_up_proj(x)  # [T, 2 I]
         gate = gate_up[:, :mlp.intermediate_size]
         act = F.gelu(gate, approximate="tanh") if mlp.is_gelu else F.silu(gate)

@@ -10,6 +10,8 @@
     phi3        rms           -         -        -           silu        -                -          partial, longrope
     stablelm    layernorm+b   opt.      -        -           silu        -                -          partial
     glm4        rms           yes       -        yes         silu        -                -          partial, interleaved
+    qwen3_moe   as qwen3, with a mixture-of-experts MLP (`moe.py`) in its sparse layers
+    mixtral     as mistral, every MLP a mixture of experts (`block_sparse_moe.` in the checkpoint)
 
 The numbers (window, caps, rotary dims, rope bases) live in `ModelConfig`; the spec holds what the
 family's code does with them.
@@ -67,6 +69,8 @@ class FamilySpec:
             return cls(**common, post_norms=True, rope_layout="interleaved")
         if family == "stablelm":
             return cls(**common, norm_kind="layer")
+        if family == "mixtral":
+            return cls(**common, weight_renames=(("block_sparse_moe.", "mlp."),))
         return cls(**common, o_bias=config.attention_bias and family == "llama")
 
     def fused_path_gaps(self, config: ModelConfig) -> list[str]:

@@ -19,6 +19,7 @@ load as they are)::
     model.layers.{i}.post_attention_layernorm
     model.layers.{i}.mlp.gate_up_proj         Linear, partitions (I, I)        <- gate_proj, up_proj
     model.layers.{i}.mlp.down_proj            Linear
+    model.layers.{i}.mlp.{gate,experts}       a `SparseMoE` instead, in MoE layers (moe.py)
     model.layers.{i}.post_{self_attn,mlp}_layernorm   (Gemma 2/3, GLM-4)
     model.norm, lm_head                       (lm_head may share embed_tokens' weight)
 """
@@ -35,6 +36,7 @@ from inference_service.errors import UnsupportedModelError
 from inference_service.model.config import ModelConfig
 from inference_service.model.family import FamilySpec
 from inference_service.model.linear import LinearBase
+from inference_service.model.moe import SparseMoE
 from inference_service.model.norms import LayerNorm, RMSNorm, _param
 from inference_service.model.weights import family_weights
 
@@ -130,7 +132,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(spec, hidden, eps, dtype, device)
         self.self_attn = Attention(config, spec, linear_cls, dtype, device, layer_idx)
         self.post_attention_layernorm = make_norm(spec, hidden, eps, dtype, device)
-        self.mlp = MLP(config, linear_cls, dtype, device)
+        # A mixture-of-experts layer (Qwen3-MoE, Mixtral) has a `SparseMoE` in the dense MLP's place.
+        self.mlp = (SparseMoE(config, dtype, device) if config.is_moe_layer(layer_idx)
+                    else MLP(config, linear_cls, dtype, device))
         self.post_self_attn_layernorm = make_norm(spec, hidden, eps, dtype, device) if spec.post_norms else None
         self.post_mlp_layernorm = make_norm(spec, hidden, eps, dtype, device) if spec.post_norms else None
 

@@ -1,8 +1,8 @@
 """Checkpoint tensors -> the decoder's parameter names and layouts, per family (`FamilySpec`).
 
-Two things differ between families beyond names of fused rows (`DecoderModel.load_weights`):
-layer norms that a family names differently from us (`FamilySpec.weight_renames`), and the rotary
-layout. GLM-4 rotates interleaved pairs (x0, x1), (x2, x3), ... where we rotate halves
+Three things differ between families beyond names of fused rows (`DecoderModel.load_weights`):
+layer norms that a family names differently from us (`FamilySpec.weight_renames`), expert weights
+(stacked per layer: `moe.stack_expert_weights`), and the rotary layout. GLM-4 rotates interleaved pairs (x0, x1), (x2, x3), ... where we rotate halves
 (x_i, x_{i + R/2}). Attention only ever takes q . k, which any permutation of the head's dims applied
 to both q and k leaves unchanged, so the q and k rows of each head are regrouped at load into halves
 order: one rotary kernel serves both layouts and nothing is permuted at run time.
@@ -17,6 +17,7 @@ import torch
 from inference_service.cpu_kernels.quant import QuantizedWeight
 from inference_service.model.config import ModelConfig
 from inference_service.model.family import FamilySpec
+from inference_service.model.moe import stack_expert_weights
 
 
 def interleaved_to_halves(num_heads: int, head_dim: int, rotary_dim: int) -> torch.Tensor:
@@ -38,11 +39,10 @@ def family_weights(spec: FamilySpec, config: ModelConfig,
                                                              config.rotary_dim),
                   "self_attn.k_proj.": interleaved_to_halves(config.num_key_value_heads, config.head_dim,
                                                              config.rotary_dim)}
+    weights = _renamed(spec, weights)
+    if config.num_experts:
+        weights = stack_expert_weights(config, weights)  # after the renames: Mixtral's experts are under mlp. then
     for name, tensor in weights:
-        for old, new in spec.weight_renames:
-            if f".{old}" in name:
-                name = name.replace(f".{old}", f".{new}", 1)
-                break
         for part, order in orders.items():
             if f".{part}" in name:
                 if isinstance(tensor, QuantizedWeight):
@@ -53,5 +53,15 @@ def family_weights(spec: FamilySpec, config: ModelConfig,
                     from inference_service.model.quant.rows import select_rows
 
                     tensor = select_rows(tensor, order)
+                break
+        yield name, tensor
+
+
+def _renamed(spec: FamilySpec, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]
+             ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    for name, tensor in weights:
+        for old, new in spec.weight_renames:
+            if f".{old}" in name:
+                name = name.replace(f".{old}", f".{new}", 1)
                 break
         yield name, tensor

@@ -29,7 +29,8 @@ def write_byte_tokenizer(path: str) -> None:
 
 
 def make_hf_model(family: str, seed: int = 0, **overrides):
-    """A random HF model of `family` (qwen2, qwen3, llama, mistral, gemma2, gemma3, phi3, stablelm, glm4)
+    """A random HF model of `family` (qwen2, qwen3, llama, mistral, gemma2, gemma3, phi3, stablelm, glm4,
+    qwen3_moe, mixtral)
     with non-trivial weights everywhere."""
     import transformers
 
@@ -43,9 +44,16 @@ def make_hf_model(family: str, seed: int = 0, **overrides):
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "stablelm": (transformers.StableLmConfig, transformers.StableLmForCausalLM),
         "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }
     config_cls, model_cls = classes[family]
-    extra = {"head_dim": 16} if family in ("qwen3", "mistral", "gemma2", "gemma3", "glm4") else {}
+    extra = {"head_dim": 16} if family in ("qwen3", "mistral", "gemma2", "gemma3", "glm4", "qwen3_moe",
+                                           "mixtral") else {}
+    if family == "qwen3_moe":
+        extra.update(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32)
+    if family == "mixtral":
+        extra.update(num_local_experts=6, num_experts_per_tok=2, intermediate_size=48, sliding_window=None)
     if family == "mistral":
         extra["sliding_window"] = None
     if family in ("gemma2", "gemma3", "phi3", "stablelm", "glm4"):
