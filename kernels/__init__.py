@@ -10,6 +10,7 @@ from kernels.attention_ref import paged_decode_attention_ref
 from kernels.decode_attention import paged_decode_attention
 from kernels.fp8_gemm import Fp8Weight, fp8_linear, fp8_matmul_ref
 from kernels.gemv import MAX_GEMV_ROWS, gemv, gemv_ref
+from kernels.moe import align_pairs_by_expert, fused_moe, fused_moe_ref
 from kernels.kv_write import quantize_fp8_ref, write_kv_cache, write_kv_cache_ref
 from kernels.quant_gemm import quant_matmul
 from kernels.quant_layout import IntPackedWeight, dequantize_int, quant_matmul_ref
@@ -29,7 +30,10 @@ __all__ = [
     "dequantize_int",
     "fp8_linear",
     "fp8_matmul_ref",
+    "align_pairs_by_expert",
     "fused_add_rms_norm",
+    "fused_moe",
+    "fused_moe_ref",
     "gemv",
     "gemv_ref",
     "paged_decode_attention",

@@ -16,7 +16,8 @@ projection is `kernels.gemv`, with the RMSNorm computed in the qkv and gate_up p
 the SiLU gate in the down projection's, and the residual adds in the o and down projections'
 epilogues. A layer then launches qkv, rotary, attention, o, gate_up and down (plus the KV write).
 That path reads the projections' dense weights, so it is taken only when every projection is a
-`DenseLinear` (a quantized Linear variant runs the general path, through its own `forward`).
+`DenseLinear` (a quantized Linear variant runs the general path, through its own `forward`) and no
+MLP is a mixture of experts (those run `kernels.fused_moe`: tokens sorted by expert, grouped GEMM).
 
 Every step is CUDA-graph capturable: no host syncs and no branches on tensor values. This module
 imports Triton; `DecoderModel` imports it only when it picks this stack.
@@ -33,6 +34,7 @@ from inference_service.attention.metadata import AttentionMetadata
 from inference_service.model.config import ModelConfig
 from inference_service.model.layers import Attention, DecoderLayer
 from inference_service.model.linear import DenseLinear
+from inference_service.model.moe import SparseMoE, route
 from inference_service.model.norms import RMSNorm
 from inference_service.model.rope import kernel_cos_sin_cache
 
@@ -67,9 +69,11 @@ class FusedStack:
                  dtype: torch.dtype, device: torch.device | str):
         self.layers, self.norm, self.backend, self.dtype = layers, norm, backend, dtype
         self.cos_sin_cache = kernel_cos_sin_cache(config, device)  # [P, D] float32
-        self.can_fold_gemv = all(isinstance(module, DenseLinear) for layer in layers
+        self.can_fold_gemv = all(not isinstance(layer.mlp, SparseMoE) and isinstance(module, DenseLinear)
+                                 for layer in layers
                                  for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                layer.mlp.gate_up_proj, layer.mlp.down_proj))
+                                                getattr(layer.mlp, "gate_up_proj", None),
+                                                getattr(layer.mlp, "down_proj", None)))
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata) -> torch.Tensor:
@@ -97,6 +101,10 @@ class FusedStack:
         attn = layer.self_attn
         hidden = attn.o_proj(self._attend(attn, attn.qkv_proj(hidden), positions, kv_cache, metadata))
         hidden, residual = _add_rms_norm(layer.post_attention_layernorm, hidden, residual)
+        if isinstance(layer.mlp, SparseMoE):
+            moe = layer.mlp
+            weights, ids = route(moe, hidden)
+            return kernels.fused_moe(hidden, moe.experts.gate_up_proj, moe.experts.down_proj, weights, ids), residual
         return layer.mlp.down_proj(kernels.silu_and_mul(layer.mlp.gate_up_proj(hidden))), residual  # [T, H]
 
     def _layer_gemv(self, layer: DecoderLayer, hidden: torch.Tensor | None, residual: torch.Tensor | None,

@@ -39,6 +39,12 @@ FAMILIES = {
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=80, tie_word_embeddings=True),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
+    # Mixture of experts: the fused stack's `kernels.fused_moe` against the eager grouped loop; layer 0
+    # of the Qwen3-MoE model is dense (mlp_only_layers).
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=6,
+                      num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[0]),
+    "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
+                    num_experts_per_tok=2),
 }
 PROMPT_LENS = [19, 6]
 NUM_DECODE_STEPS = 3

@@ -1,0 +1,188 @@
+"""Fused mixture-of-experts MLP: tokens sorted by expert, a grouped GEMM over the experts' weights with
+the SiLU gate fused, then the down projection weighted by the router and combined per token.
+
+    pairs      T * k (token, expert) pairs; pair p is token p // k's j-th choice (j = p % k)
+    align      pairs sorted by expert, each expert's run padded to a multiple of BLOCK_M:
+
+                 sorted_pairs  [ e0 e0 e0 -- | e2 e2 e2 e2 | e2 -- -- -- | e3 -- -- -- | .. ]   -- = padding (T * k)
+                 block_expert  [     0       |      2      |      2      |      3      | E (unused) ]
+
+    gemm 1     h[p] = silu(x[p // k] W_gate[e]^T) * (x[p // k] W_up[e]^T)      [T * k, I]
+    gemm 2     y[p] = w[p] * (h[p] W_down[e]^T)                               [T * k, H]
+    combine    out[t] = sum_j y[t * k + j]                                    [T, H]
+
+Each program of a GEMM takes one BLOCK_M block of sorted pairs (one expert) and one BLOCK_N tile of
+output columns, so every weight tile is read once per block of tokens that chose the expert. The
+alignment is computed on the device with a fixed upper bound on its size (no host sync: CUDA-graph
+capturable); blocks past the last expert's are marked with expert E and return at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import (
+    ACT_DTYPES,
+    cast,
+    dot_precision,
+    dot_upcast,
+    is_interpreter,
+    mma,
+    require,
+    require_dtype,
+    require_same_device,
+    require_shape,
+)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr,  # GATED: x [T, K] (row = pair // TOP_K); else h [T * k, K] (row = pair)
+    w_ptr,  # [E, N_W, K]: GATED: gate rows [0, N) then up rows [N, 2 N); else N_W = N
+    out_ptr,  # [T * k, N]
+    pair_weight_ptr,  # [T * k] float32 router weights (read when WEIGHTED)
+    sorted_pairs_ptr,  # [max_padded] int32; padding = num_pairs
+    block_expert_ptr,  # [max_blocks] int32; E past the last expert's blocks
+    num_pairs,
+    N,
+    K,
+    stride_a,
+    stride_we,
+    stride_wn,
+    stride_o,
+    NUM_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    GATED: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= NUM_EXPERTS:
+        return
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + offs_m)
+    is_row = pairs < num_pairs
+    rows = (pairs // TOP_K) if GATED else pairs
+    rows = tl.where(is_row, rows, 0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        a = tl.load(a_ptr + rows[:, None] * stride_a + (k0 + offs_k)[None, :],
+                    mask=is_row[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
+        w_offs = offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None]  # [BK, BN]: W^T tile
+        w_mask = n_mask[None, :] & k_mask[:, None]
+        acc = mma(a, tl.load(w_base + w_offs, mask=w_mask, other=0.0), acc, DOT_PREC, UPCAST)
+        if GATED:
+            acc_up = mma(a, tl.load(w_base + N * stride_wn + w_offs, mask=w_mask, other=0.0), acc_up,
+                         DOT_PREC, UPCAST)
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if WEIGHTED:
+        acc = acc * tl.load(pair_weight_ptr + pairs, mask=is_row, other=0.0)[:, None]
+    out_offs = tl.where(is_row, pairs, 0).to(tl.int64)[:, None] * stride_o + offs_n[None, :]
+    tl.store(out_ptr + out_offs, cast(acc, out_ptr.dtype.element_ty), mask=is_row[:, None] & n_mask[None, :])
+
+
+def align_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, k] -> (sorted_pairs [max_padded] int32, block_expert [max_padded // block_m] int32).
+
+    The (token, choice) pairs grouped by expert, each run padded to a multiple of `block_m` (padding
+    entries = T * k), and the expert of every block (`num_experts` for blocks past the last run).
+    Sizes depend only on T, k, E and block_m: no host sync."""
+    num_pairs = ids.numel()
+    max_padded = num_pairs + num_experts * (block_m - 1)
+    max_padded = triton.cdiv(max_padded, block_m) * block_m
+    flat = ids.reshape(-1)
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+    expert_of = flat[order]
+    first_of_expert = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(num_pairs, device=ids.device) - first_of_expert[expert_of]
+    dest = (padded_end - padded)[expert_of] + rank
+    sorted_pairs = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=ids.device)
+    sorted_pairs[dest] = order.to(torch.int32)
+    block_starts = torch.arange(0, max_padded, block_m, device=ids.device)
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)  # E past the end
+    return sorted_pairs, block_expert
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, H]
+    gate_up_proj: torch.Tensor,  # [E, 2 I, H]: gate rows then up rows
+    down_proj: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k]
+    topk_ids: torch.Tensor,  # [T, k] int
+    *,
+    block_m: int | None = None,
+) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j] -> [T, H] in
+    x's dtype. The intermediate activations are rounded to x's dtype (as the per-expert loop in that
+    dtype rounds them); accumulation is fp32."""
+    require(x.dim() == 2, f"x: expected [T, H], got {tuple(x.shape)}")
+    num_tokens, hidden = x.shape
+    require(gate_up_proj.dim() == 3 and gate_up_proj.shape[1] % 2 == 0,
+            f"gate_up_proj: expected [E, 2 I, H], got {tuple(gate_up_proj.shape)}")
+    num_experts, two_i, _ = gate_up_proj.shape
+    intermediate = two_i // 2
+    require_shape("gate_up_proj", gate_up_proj, (num_experts, two_i, hidden))
+    require_shape("down_proj", down_proj, (num_experts, hidden, intermediate))
+    require(topk_ids.dim() == 2 and topk_ids.shape[0] == num_tokens,
+            f"topk_ids: expected [{num_tokens}, k], got {tuple(topk_ids.shape)}")
+    require_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
+    for name, t in (("x", x), ("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        require_dtype(name, t, ACT_DTYPES)
+        require(t.dtype == x.dtype, f"{name}: dtype {t.dtype} differs from x's {x.dtype}")
+        require(t.stride(-1) == 1 and (t.dim() < 3 or t.stride(1) == t.shape[2]),
+                f"{name}: rows must be contiguous")
+    require_same_device(x=x, gate_up_proj=gate_up_proj, down_proj=down_proj, topk_ids=topk_ids,
+                        topk_weights=topk_weights)
+    top_k = topk_ids.shape[1]
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    num_pairs = num_tokens * top_k
+    # NOTE: few pairs per expert at decode: a small BLOCK_M wastes less of each block on padding.
+    block_m = block_m or (16 if num_pairs <= 4 * num_experts else 64)
+    sorted_pairs, block_expert = align_pairs_by_expert(topk_ids, num_experts, block_m)
+    pair_weights = topk_weights.reshape(-1).to(torch.float32)
+    h = torch.empty((num_pairs, intermediate), dtype=x.dtype, device=x.device)
+    y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    common = dict(NUM_EXPERTS=num_experts, TOP_K=top_k, BLOCK_M=block_m, DOT_PREC=dot_precision(x.dtype),
+                  UPCAST=dot_upcast(), **({} if is_interpreter() else {"num_warps": 4}))
+    for a, w, o, n, k, gated in ((x, gate_up_proj, h, intermediate, hidden, True),
+                                 (h, down_proj, y, hidden, intermediate, False)):
+        block_n, block_k = (32, 32) if is_interpreter() else (64, 64)
+        grid = (block_expert.shape[0], triton.cdiv(n, block_n))
+        _moe_gemm_kernel[grid](a, w, o, pair_weights, sorted_pairs, block_expert, num_pairs, n, k,
+                               a.stride(0), w.stride(0), w.stride(1), o.stride(0),
+                               GATED=gated, WEIGHTED=not gated, BLOCK_N=block_n, BLOCK_K=block_k, **common)
+    return torch.sum(y.view(num_tokens, top_k, hidden), dim=1, out=out)
+
+
+def fused_moe_ref(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """float64 per-expert loop: for each expert, its tokens' gated MLP, weighted, added per token."""
+    x64, out = x.double(), torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    intermediate = down_proj.shape[2]
+    for expert in range(gate_up_proj.shape[0]):
+        tokens, choice = torch.where(topk_ids == expert)
+        if tokens.numel() == 0:
+            continue
+        gate_up = x64[tokens] @ gate_up_proj[expert].double().T
+        h = torch.nn.functional.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+        out.index_add_(0, tokens, (h @ down_proj[expert].double().T) * topk_weights[tokens, choice, None].double())
+    return out
