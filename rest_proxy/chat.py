@@ -24,7 +24,7 @@ from rest_proxy.reasoning import (PromptState, ReasoningFormat, ReasoningParser,
                                   prompt_state, select_format, text_state)
 from rest_proxy.schemas import check_json_schema, strict_schema
 from rest_proxy.sse import ChunkWriter, write_chunks
-from rest_proxy.tool_parsers import ToolParser, get_parser, select_parser
+from rest_proxy.tool_parsers import ToolParser, parser_for_model
 from rest_proxy.translate import (add_usage, chat_input, chat_logprobs, check_max_tokens, check_prompt_logprobs,
                                   check_wire_safe, finish_reason, format_field, map_format_error, message_text,
                                   sampling_params, set_request_options, stopping_criteria, system_fingerprint,
@@ -69,10 +69,8 @@ class ChatService:
         self.max_mcp_rounds = max(1, max_mcp_rounds)
 
     def parser_for(self, client: EngineClient) -> ToolParser:
-        if self.tool_parser:
-            return get_parser(self.tool_parser)
         info = client.info
-        return select_parser(info.family if info else "", info.chat_template if info else "")
+        return parser_for_model(self.tool_parser, info.family if info else "", info.chat_template if info else "")
 
     def reasoning_for(self, client: EngineClient) -> ReasoningFormat | None:
         """The model's reasoning format: `--reasoning-parser`, else the one its chat template implies."""

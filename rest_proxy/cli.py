@@ -12,7 +12,7 @@ from rest_proxy.mcp_config import McpConfigError, load_mcp_config
 from rest_proxy.reasoning import ALIASES as REASONING_ALIASES
 from rest_proxy.reasoning import FORMATS as REASONING_FORMATS
 from rest_proxy.reasoning import NONE as NO_REASONING
-from rest_proxy.tool_parsers import ALIASES, PARSERS
+from rest_proxy.tool_parsers import ALIASES, AUTO, PARSERS
 from rest_proxy.workers import MAX_DEFAULT_WORKERS, default_num_workers, serve_workers
 
 API_KEY_ENV = "REST_PROXY_API_KEY"
@@ -42,9 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the MCP tools the model calls and continue (default: on); "
                             "--no-mcp-execute returns the calls to the client")
     serve.add_argument("--max-mcp-rounds", type=int, default=5, help="most model rounds with MCP execution")
-    serve.add_argument("--tool-parser", default=None,
-                       choices=sorted(PARSERS) + sorted(ALIASES),
-                       help="tool-call format (default: from the model's chat template and family)")
+    serve.add_argument("--tool-call-parser", "--tool-parser", dest="tool_parser", default=AUTO,
+                       choices=[AUTO, *sorted(PARSERS), *sorted(ALIASES)],
+                       help="tool-call format for every model; auto (default): per model, from its chat "
+                            "template, else its family (rest_proxy/tool_parsers FAMILY_PARSERS)")
     serve.add_argument("--reasoning-parser", default=None,
                        choices=sorted(REASONING_FORMATS) + sorted(REASONING_ALIASES) + [NO_REASONING],
                        help="split <think>...</think> into reasoning_content (default: from the model's chat "
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = ProxyConfig(engines=args.engine or ["localhost:50051"],
                              api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                             tool_parser=args.tool_parser, reasoning_parser=args.reasoning_parser,
+                             tool_parser=None if args.tool_parser == AUTO else args.tool_parser,
+                             reasoning_parser=args.reasoning_parser,
                              mcp_servers=mcp_servers, mcp_execute=args.mcp_execute,
                              max_mcp_rounds=args.max_mcp_rounds, request_timeout=args.request_timeout,
                              max_body_bytes=int(args.max_body_size * 2**20), header_timeout=args.header_timeout,

@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from rest_proxy.tool_parsers import (ArgumentsDelta, CallStart, ContentDelta, ToolCallExtractor, get_parser,
-                                     select_parser)
+from rest_proxy.cli import build_parser
+from rest_proxy.tool_parsers import (FAMILY_PARSERS, PARSERS, ArgumentsDelta, CallStart, ContentDelta,
+                                     ToolCallExtractor, get_parser, parser_for_model, select_parser)
 from tests.proxy.grammars import accepts
 
 W = '{"city": "Paris", "unit": "c"}'
@@ -141,6 +142,47 @@ def test_selection():
     assert get_parser("qwen3").name == "hermes"
     with pytest.raises(ValueError, match="unknown tool parser"):
         get_parser("nope")
+
+
+# Every decoder family the engine serves (inference_service/model/config.py) -> the parser it gets
+# when its chat template says nothing about tool calls.
+EXPECTED_FAMILY_PARSERS = {
+    "llama": "llama3_json", "mistral": "mistral", "mixtral": "mistral", "qwen2": "hermes", "qwen3": "hermes",
+    "qwen3_moe": "hermes", "gemma2": "pythonic", "gemma3_text": "pythonic", "phi3": "json", "stablelm": "json",
+    "glm4": "json",
+}
+
+
+def test_family_table_covers_every_served_family():
+    from inference_service.model.config import SUPPORTED_ARCHITECTURES
+
+    assert set(SUPPORTED_ARCHITECTURES.values()) <= set(FAMILY_PARSERS)
+    assert set(FAMILY_PARSERS.values()) <= set(PARSERS)
+    for family, name in EXPECTED_FAMILY_PARSERS.items():
+        assert select_parser(family, "{{ messages[0]['content'] }}").name == name, family
+    assert select_parser("some_new_family", "").name == "json"
+
+
+def test_template_wins_over_family_and_override_wins_over_both():
+    chatml = "{{'<|im_start|>' + message['role'] + '\\n'}}"
+    assert select_parser("mixtral", chatml).name == "hermes"  # a ChatML fine-tune of Mixtral
+    assert select_parser("gemma3_text", "{{ '[TOOL_CALLS]' }}").name == "mistral"
+    assert parser_for_model(None, "mixtral", chatml).name == "hermes"
+    assert parser_for_model("auto", "qwen3_moe", "").name == "hermes"
+    assert parser_for_model("mistral", "qwen3_moe", chatml).name == "mistral"
+    assert parser_for_model("qwen", "gemma2", "").name == "hermes"  # aliases too
+    with pytest.raises(ValueError, match="unknown tool parser 'nope'"):
+        parser_for_model("nope", "llama", "")
+
+
+def test_tool_call_parser_flag():
+    parse = build_parser().parse_args
+    assert parse(["serve"]).tool_parser == "auto"
+    assert parse(["serve", "--tool-call-parser", "pythonic"]).tool_parser == "pythonic"
+    assert parse(["serve", "--tool-parser", "hermes"]).tool_parser == "hermes"  # the older spelling
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["serve", "--tool-call-parser", "nope"])
+    assert exit_info.value.code == 2
 
 
 WEATHER_ARGS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
