@@ -27,6 +27,7 @@ GGUF_ARCHITECTURES = {
     "mistral": ("mistral", "MistralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
@@ -251,6 +252,10 @@ class ModelConfig:
         def get(key: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{key}", default)
 
+        num_experts = int(get("expert_count") or 0)
+        if arch == "llama" and num_experts:
+            model_type, architecture = "mixtral", "MixtralForCausalLM"  # llama.cpp writes Mixtral as llama
+
         def need(key: str) -> Any:
             value = get(key)
             if value is None:
@@ -279,6 +284,13 @@ class ModelConfig:
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             use_qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             rope_freq_factors=rope_freq_factors,
+            num_experts=num_experts,
+            num_experts_per_tok=int(get("expert_used_count") or 0),
+            moe_intermediate_size=int(get("expert_feed_forward_length") or need("feed_forward_length"))
+            if num_experts else 0,
+            # NOTE: llama.cpp renormalizes the top-k weights of both (Qwen3-MoE checkpoints all set
+            # norm_topk_prob); a file may say otherwise in expert_weights_norm.
+            norm_topk_prob=bool(get("expert_weights_norm", True)),
         )
 
 

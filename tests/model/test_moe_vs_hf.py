@@ -179,3 +179,96 @@ def test_missing_expert_is_named(case, tmp_path):
     layer = dropped.split(".")[2]
     with pytest.raises(UnsupportedModelError, match=rf"lacks weights: .*model\.layers\.{layer}\.mlp\.experts\.gate_up_proj"):
         load_model(str(tmp_path))
+
+
+# ---------------------------------------------------------------------- GGUF round trip
+
+_GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                     "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+                     "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+                     "mlp.experts.down_proj": "ffn_down_exps"}
+
+
+def _llama_cpp_permute(weight, num_heads: int):
+    """llama.cpp's converter's q/k row order for llama-architecture files (Mixtral)."""
+    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape)
+
+
+def _write_moe_gguf(hf_model, path: str) -> None:
+    """The model as llama.cpp's converter writes it: qwen3moe, or Mixtral as `llama` with experts."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from inference_service.model.tokenizer import bytes_to_unicode
+
+    config, is_mixtral = hf_model.config, hf_model.config.model_type == "mixtral"
+    writer = GGUFWriter(path, "llama" if is_mixtral else "qwen3moe")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if not is_mixtral:
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    tokens = list(bytes_to_unicode().values()) + ["<s>", "</s>"]
+    tokens += [f"<extra_{i}>" for i in range(config.vocab_size - len(tokens))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(257)
+    state = {}
+    for name, tensor in hf_model.state_dict().items():  # in memory, transformers holds the experts stacked
+        if name.endswith(".experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            state[name.replace("gate_up_proj", "gate_proj")], state[name.replace("gate_up_proj", "up_proj")] = gate, up
+        else:
+            state[name] = tensor
+    for name, tensor in state.items():
+        array = tensor.numpy().astype(np.float32)
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            module = rest.removesuffix(".weight")
+            gguf_name = f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.weight"
+            if is_mixtral and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = config.num_attention_heads if module == "self_attn.q_proj" else config.num_key_value_heads
+                array = _llama_cpp_permute(array, heads)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_gguf_round_trip(family, tmp_path):
+    pytest.importorskip("gguf")
+    # llama.cpp always renormalizes the top-k weights: so does the HF model here.
+    hf_model = make_hf_model(family, seed=21, **({"norm_topk_prob": True} if family == "qwen3_moe" else {}))
+    path = str(tmp_path / f"tiny-{family}.gguf")
+    _write_moe_gguf(hf_model, path)
+    loaded = load_model(path)
+    assert (loaded.config.model_type, loaded.config.num_experts, loaded.config.num_experts_per_tok) == (
+        family, hf_model.config.num_local_experts, hf_model.config.num_experts_per_tok)
+    _, expected_steps, tokens = _hf_steps(hf_model, PROMPT, 4)
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([PROMPT])).logits[0]
+    harness = PagedHarness(loaded.model, num_blocks=32, block_size=4)
+    table = []
+    torch.testing.assert_close(harness.all_logits(PROMPT, 0, table), expected, atol=1e-4, rtol=1e-4)
+    for step, token in enumerate(tokens[:4]):
+        torch.testing.assert_close(harness.all_logits([token], len(PROMPT) + step, table)[0], expected_steps[step],
+                                   atol=1e-4, rtol=1e-4)
