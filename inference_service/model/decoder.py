@@ -10,8 +10,9 @@ Everything else — residual blocks, grouped-query attention with RoPE, a gated 
 
     parameters   layers.py        HF-named modules with no forward, and the checkpoint-name mapping
     stack        eager_stack.py   torch and the C++ CPU kernels (the CPU default)
-                 fused_stack.py   the fused Triton kernels (CUDA default); a family feature it does
-                                  not implement yet is refused by name (`FamilySpec.fused_path_gaps`)
+                 fused_stack.py   the fused Triton kernels (CUDA default); a family needing a feature
+                                  it does not implement yet (`FamilySpec.fused_path_gaps`) runs the
+                                  eager stack on CUDA instead
     projections  linear.py        one `LinearBase` interface: dense, GGUF blocks on the CPU
                                   (gguf_linear.py), gemv on the fused path, later quantized / sharded
 
@@ -20,6 +21,7 @@ and its forward wires them: embedding -> stack -> final norm; `compute_logits` -
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -40,13 +42,18 @@ from inference_service.model.norms import LayerNorm, RMSNorm
 
 __all__ = ["DecoderModel", "FamilySpec"]
 
+logger = logging.getLogger(__name__)
+
 
 class DecoderModel(nn.Module):
     """The model the engine runs: `forward` to hidden states, `compute_logits` for the rows it samples.
 
     `fused_kernels` picks the fused Triton stack (`fused_stack.py`) over the eager one; None means
-    on for CUDA devices. Both stacks take the same weights and give the same results (fp32: to rounding).
-    A family feature the fused stack lacks is an `UnsupportedModelError` naming it. `linear_cls`
+    on for CUDA devices, unless the family needs a feature the fused stack lacks
+    (`FamilySpec.fused_path_gaps`): then the eager stack runs on CUDA (torch ops, the Triton attention
+    backend, CUDA graphs), logged with the gaps. Both stacks take the same weights and give the same
+    results (fp32: to rounding). `fused_kernels=True` with such a gap is an `UnsupportedModelError`
+    naming it. `linear_cls`
     overrides the projections' `LinearBase` variant (default: `GemvLinear` on the fused stack, else
     `GGUFLinear`, which runs dense rows as `DenseLinear` does and GGUF blocks in place)."""
 
@@ -60,7 +67,11 @@ class DecoderModel(nn.Module):
         self.fused_kernels = self.device.type == "cuda" if fused_kernels is None else fused_kernels
         if self.fused_kernels:
             gaps = self.spec.fused_path_gaps(config)
-            if gaps:
+            if gaps and fused_kernels is None:
+                logger.warning("%s needs %s, which the fused GPU layers do not implement yet: running the "
+                               "eager layers on %s", config.architecture, ", ".join(gaps), self.device)
+                self.fused_kernels = False
+            elif gaps:
                 raise UnsupportedModelError(
                     f"{config.architecture} needs {', '.join(gaps)}, which the fused GPU layers do not "
                     f"implement yet")

@@ -1,6 +1,7 @@
 """The eager decoder stack: the layers of `layers.py` run in torch and the C++ CPU kernels.
 
-The CPU default, and the GPU path for family features the fused stack lacks. Each layer is a
+The CPU default, and the GPU path for family features the fused stack lacks (no host syncs on a
+decode step, so CUDA graphs capture it). Each layer is a
 pre-norm residual block whose sub-blocks add into the residual stream in place (see
 `layers.DecoderLayer`); the rotary tables are looked up once a step and shared by every layer.
 """
@@ -110,8 +111,10 @@ class EagerStack:
         original = self.rotary.original_max_positions
         if original is None:
             return None
-        query_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
-        per_token = torch.repeat_interleave(metadata.seq_lens.long() > original, query_lens.long())
-        if per_token.shape[0] < positions.shape[0]:  # padding rows past the last sequence
-            per_token = F.pad(per_token, (0, positions.shape[0] - per_token.shape[0]))
-        return per_token.to(positions.device)
+        # NOTE: each token's sequence found by searching the query starts, not `repeat_interleave` by
+        # query lengths, which needs its output size on the host: this way a CUDA graph can capture it.
+        # Padding rows past the last sequence take the last one's flag; their outputs are never read.
+        starts = metadata.query_start_loc[1:].to(positions.device)
+        token_rows = torch.arange(positions.shape[0], device=positions.device)
+        seq_index = torch.searchsorted(starts, token_rows, right=True).clamp_(max=starts.shape[0] - 1)
+        return (metadata.seq_lens.to(positions.device).long() > original)[seq_index]
