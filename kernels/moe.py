@@ -105,7 +105,9 @@ def align_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> 
     max_padded = num_pairs + num_experts * (block_m - 1)
     max_padded = triton.cdiv(max_padded, block_m) * block_m
     flat = ids.reshape(-1)
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # NOTE: not torch.bincount, which reads the largest id back to the host (no CUDA-graph capture).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat))  # [E]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert
