@@ -1,0 +1,45 @@
+"""Times `kernels.fused_moe` at Qwen3-30B-A3B's shapes (bf16) over block sizes, next to the bytes-read
+bound; prints the fastest per token count. Usage: python bench/moe_kernel_tune.py (CUDA)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernels import fused_moe  # noqa: E402
+
+E, K, H, I = 128, 8, 2048, 768
+
+
+def main() -> None:
+    w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * 0.02
+    bw = 3.0e12
+    for tokens in (1, 4, 32, 168):
+        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(tokens)])
+        weights = torch.softmax(torch.randn(tokens, K, device="cuda"), -1).to(torch.bfloat16)
+        touched = ids.unique().numel()
+        bound_us = touched * 3 * H * I * 2 / bw * 1e6
+        results = []
+        for bm, bn, bk, nw in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4, 8)):
+            try:
+                us = do_bench(lambda: fused_moe(x, w13, w2, weights, ids, block_m=bm, block_n=bn, block_k=bk,
+                                                num_warps=nw)) * 1e3
+            except Exception as e:  # noqa: BLE001 - a config that does not fit
+                continue
+            results.append((us, bm, bn, bk, nw))
+        results.sort()
+        default = do_bench(lambda: fused_moe(x, w13, w2, weights, ids)) * 1e3
+        print(f"tokens {tokens}: experts touched {touched}, bound {bound_us:.1f} us, default {default:.1f} us, "
+              f"best {[f'{r[0]:.1f}us bm{r[1]} bn{r[2]} bk{r[3]} w{r[4]}' for r in results[:4]]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
