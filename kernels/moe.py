@@ -130,10 +130,13 @@ def fused_moe(
     topk_ids: torch.Tensor,  # [T, k] int
     *,
     block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j] -> [T, H] in
     x's dtype. The intermediate activations are rounded to x's dtype (as the per-expert loop in that
-    dtype rounds them); accumulation is fp32."""
+    dtype rounds them); accumulation is fp32. The block sizes default by the number of pairs."""
     require(x.dim() == 2, f"x: expected [T, H], got {tuple(x.shape)}")
     num_tokens, hidden = x.shape
     require(gate_up_proj.dim() == 3 and gate_up_proj.shape[1] % 2 == 0,
@@ -164,10 +167,14 @@ def fused_moe(
     h = torch.empty((num_pairs, intermediate), dtype=x.dtype, device=x.device)
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     common = dict(NUM_EXPERTS=num_experts, TOP_K=top_k, BLOCK_M=block_m, DOT_PREC=dot_precision(x.dtype),
-                  UPCAST=dot_upcast(), **({} if is_interpreter() else {"num_warps": 4}))
+                  UPCAST=dot_upcast(), **({} if is_interpreter() else {"num_warps": num_warps}))
+    if is_interpreter():
+        block_n, block_k = block_n or 32, block_k or 32
+    else:
+        # NOTE: few pairs (decode): narrow column tiles spread the experts' weights over more programs.
+        block_n, block_k = block_n or (32 if block_m == 16 else 64), block_k or (128 if block_m == 16 else 64)
     for a, w, o, n, k, gated in ((x, gate_up_proj, h, intermediate, hidden, True),
                                  (h, down_proj, y, hidden, intermediate, False)):
-        block_n, block_k = (32, 32) if is_interpreter() else (64, 64)
         grid = (block_expert.shape[0], triton.cdiv(n, block_n))
         _moe_gemm_kernel[grid](a, w, o, pair_weights, sorted_pairs, block_expert, num_pairs, n, k,
                                a.stride(0), w.stride(0), w.stride(1), o.stride(0),
