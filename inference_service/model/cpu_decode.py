@@ -38,6 +38,7 @@ class CpuDecodeLayers:
         config, spec = model.config, model.spec
         ext = load_extension() if model.device.type == "cpu" and model.dtype == torch.float32 else None
         if (ext is None or getattr(model, "fused_kernels", False) or spec.qk_norm or spec.post_norms
+                or config.num_experts  # mixture-of-experts MLPs have no C++ layer
                 or not getattr(model.attention_backend, "use_cpu_kernels", False)
                 or spec.attn_soft_cap is not None or config.rotary_dim != config.head_dim
                 or model.stack.local_rotary is not model.stack.rotary or model.stack.rotary.long_tables is not None

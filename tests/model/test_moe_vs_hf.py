@@ -197,10 +197,11 @@ def _llama_cpp_permute(weight, num_heads: int):
         weight.shape)
 
 
-def _write_moe_gguf(hf_model, path: str) -> None:
-    """The model as llama.cpp's converter writes it: qwen3moe, or Mixtral as `llama` with experts."""
+def _write_moe_gguf(hf_model, path: str, quantize_attention: bool = False) -> None:
+    """The model as llama.cpp's converter writes it: qwen3moe, or Mixtral as `llama` with experts
+    (attention projections in Q8_0 blocks with `quantize_attention`)."""
     import numpy as np
-    from gguf import GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter, quantize
 
     from inference_service.model.tokenizer import bytes_to_unicode
 
@@ -246,6 +247,10 @@ def _write_moe_gguf(hf_model, path: str) -> None:
             if is_mixtral and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = config.num_attention_heads if module == "self_attn.q_proj" else config.num_key_value_heads
                 array = _llama_cpp_permute(array, heads)
+        if quantize_attention and ".attn_" in gguf_name and "norm" not in gguf_name:
+            blocks = quantize(np.ascontiguousarray(array), GGMLQuantizationType.Q8_0)
+            writer.add_tensor(gguf_name, blocks, raw_shape=blocks.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+            continue
         writer.add_tensor(gguf_name, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -272,3 +277,29 @@ def test_gguf_round_trip(family, tmp_path):
     for step, token in enumerate(tokens[:4]):
         torch.testing.assert_close(harness.all_logits([token], len(PROMPT) + step, table)[0], expected_steps[step],
                                    atol=1e-4, rtol=1e-4)
+
+
+def test_engine_serves_a_mixtral_gguf_with_quantized_attention(tmp_path):
+    """Through the engine (scheduler, model runner, sampler) on the CPU: a Mixtral GGUF whose attention
+    projections are Q8_0 blocks run in place (the C++ decode layers do not take MoE MLPs and must
+    stand aside), greedy tokens equal to our model's own paged greedy decode, batched and alone."""
+    pytest.importorskip("gguf")
+    from prometheus_client import CollectorRegistry
+
+    from inference_service.config import CacheConfig, EngineConfig, SchedulerConfig
+    from inference_service.engine.llm_engine import LLMEngine
+    from inference_service.engine.sampling_params import SamplingParams
+    from inference_service.metrics import EngineMetrics
+
+    hf_model = make_hf_model("mixtral", seed=23)
+    path = str(tmp_path / "tiny-mixtral.gguf")
+    _write_moe_gguf(hf_model, path, quantize_attention=True)
+    loaded = load_model(path)
+    assert loaded.model.model.layers[0].self_attn.qkv_proj.quantized  # kept in Q8_0 blocks
+    engine = LLMEngine(EngineConfig(cache=CacheConfig(kv_cache_memory_mib=16), scheduler=SchedulerConfig()),
+                       loaded=loaded, metrics=EngineMetrics("t", registry=CollectorRegistry()))
+    prompts = [PROMPT, *OTHER_PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    got = [out.completions[0].token_ids for out in engine.generate(prompts, params)]
+    expected = [PagedHarness(loaded.model, num_blocks=64, block_size=4).generate([p], 10)[0] for p in prompts]
+    assert got == expected
