@@ -3,6 +3,7 @@ bound; prints the fastest per token count. Usage: python bench/moe_kernel_tune.p
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
@@ -41,13 +42,13 @@ def main() -> None:
         results = []
         for bm, bn, bk, nw in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4, 8)):
             try:
-                us = _graph_us(lambda: fused_moe(x, w13, w2, weights, ids, block_m=bm, block_n=bn, block_k=bk,
-                                                 num_warps=nw))
+                us = _graph_us(functools.partial(fused_moe, x, w13, w2, weights, ids, block_m=bm, block_n=bn,
+                                                 block_k=bk, num_warps=nw))
             except Exception:  # noqa: BLE001 - a config that does not fit
                 continue
             results.append((us, bm, bn, bk, nw))
         results.sort()
-        default = _graph_us(lambda: fused_moe(x, w13, w2, weights, ids))
+        default = _graph_us(functools.partial(fused_moe, x, w13, w2, weights, ids))
         print(f"tokens {tokens}: experts touched {touched}, bound {bound_us:.1f} us, default {default:.1f} us, "
               f"best {[f'{r[0]:.1f}us bm{r[1]} bn{r[2]} bk{r[3]} w{r[4]}' for r in results[:4]]}", flush=True)
 

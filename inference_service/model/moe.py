@@ -92,7 +92,7 @@ def experts_forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
     The T * k (token, expert) pairs are sorted by expert; each expert with rows runs gate_up, the
     SiLU gate and down over its rows at once, and the weighted rows are added into their tokens in
     expert order (as HF adds them, so fp32 results agree to rounding)."""
-    num_tokens, top_k = ids.shape
+    top_k = ids.shape[1]
     intermediate = down_proj.shape[2]
     out = torch.zeros_like(x)
     flat_ids = ids.reshape(-1)
