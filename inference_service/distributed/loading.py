@@ -51,7 +51,11 @@ def open_shard_source(path: str | None, load_format: str, dtype: torch.dtype,
     elif os.path.isdir(path):
         from inference_service.distributed.shard_reader import ShardedSafetensors
 
-        config, _, tokenizer, name = loader._open_hf_dir(path, dtype)  # checks the dtypes; reads no tensor
+        # Checks the dtypes and the quantization config; reads no tensor.
+        config, _, tokenizer, name, quant_spec = loader._open_hf_dir(path, dtype, "cpu", None)
+        if quant_spec is not None:
+            raise UnsupportedModelError("--tensor-parallel-size > 1 does not load quantized checkpoints yet "
+                                        f"({path!r} has a quantization_config)")
         files = loader._safetensors_files(path)
         source = ShardSource(config, lambda: tokenizer, name,
                              lambda plan: ShardedSafetensors(files, plan, dtype, loader._IGNORED_TENSOR_SUFFIXES))
