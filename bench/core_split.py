@@ -1,6 +1,7 @@
 """The engine core in its own process against the in-process engine, on the embedded model, through gRPC.
 
-Alternates `serve` (the split, the shipped default) and `serve --engine-in-process` ROUNDS times, each
+Alternates `serve --engine-core-process` (the split, the GPU default) and `serve --engine-in-process` (the CPU
+default) ROUNDS times, each
 measured as bench/decode_throughput.py measures ours: batch-1 greedy decode over its prompts, and
 CONCURRENCY requests at once. Prints each round and the medians.
 
@@ -22,7 +23,7 @@ from decode_throughput import measure_engine, prompt_ids
 
 from inference_service.model.loader import load_model
 
-MODES = {"split (default)": [], "in-process": ["--engine-in-process"]}
+MODES = {"split (the GPU default)": ["--engine-core-process"], "in-process (the CPU default)": ["--engine-in-process"]}
 
 
 def main() -> None:

@@ -135,9 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "requests are aborted (RESOURCE_EXHAUSTED) and their KV blocks freed")
     g.add_argument("--max-queued-responses", type=int, default=65536,
                    help="responses a Generate stream may hold unread by its client before its requests are aborted")
-    g.add_argument("--engine-in-process", action="store_true",
-                   help="run the engine core on a thread of the gRPC server's process instead of a process of "
-                        "its own (tests, benchmarks)")
+    core = g.add_mutually_exclusive_group()
+    core.add_argument("--engine-in-process", dest="engine_in_process", action="store_const", const=True,
+                      default=None, help="run the engine core on a thread of the gRPC server's process (the "
+                                         "default on the CPU, where it measures faster: docs/operations.md)")
+    core.add_argument("--engine-core-process", dest="engine_in_process", action="store_const", const=False,
+                      help="run the engine core in a process of its own (the default on GPUs)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     a = p.add_argument_group("security")
     a.add_argument("--api-key", default=None,

@@ -174,7 +174,7 @@ class ServerConfig:
     tls_ca: str | None = None  # set: mutual TLS, clients need a certificate this CA signed
     # The engine core (scheduler, model runner, output processing) runs in a process of its own unless set:
     # then on a thread of the gRPC process (tests and benchmarks that look inside the engine).
-    engine_in_process: bool = False
+    engine_in_process: bool | None = None  # None: in process on the CPU, a process of its own elsewhere
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:

@@ -22,7 +22,7 @@ from inference_service.engine.gc_heap import freeze_startup_heap
 from inference_service.engine.info import ModelInfo
 from inference_service.engine.input_processor import InputProcessor
 from inference_service.engine.llm_engine import LLMEngine
-from inference_service.engine.model_loading import load_model_for
+from inference_service.engine.model_loading import load_model_for, resolve_device
 from inference_service.errors import InvalidRequestError, as_engine_error
 from inference_service.ports import ensure_port_free
 from inference_service.reflection import enable_reflection
@@ -106,6 +106,20 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+def _core_in_process(engine_config: EngineConfig, server_config: ServerConfig) -> bool:
+    """Where the engine core runs: as configured, else in a process of its own except on the CPU.
+
+    NOTE: why not on the CPU: on the 2-core CPU machine the split made the embedded model's batch-1 decode
+    0.62x of in-process (69 vs 111 tok/s; 16 concurrent 198 vs 330; bench/core_split.py, 2026-11-25): the
+    front end's process takes a core from the CPU kernels' threads. Tensor parallelism keeps it in process
+    too (its worker ranks report to rank 0's process)."""
+    if engine_config.tensor_parallel_size > 1:
+        return True
+    if server_config.engine_in_process is not None:
+        return server_config.engine_in_process
+    return resolve_device(engine_config.device).type == "cpu"
+
+
 class EngineServer:
     """Owns the engines and the gRPC server; `start()`, then `wait_for_shutdown()`.
 
@@ -124,7 +138,7 @@ class EngineServer:
         # stops the server (NOT_SERVING, then a non-zero exit). NOTE: rank 0 runs in this process for now
         # (its workers report here), so tensor parallelism keeps the engine core in process.
         self.tp_workers = self._tp_driver = None
-        if llm_engine is None and not server_config.engine_in_process and engine_config.tensor_parallel_size == 1:
+        if llm_engine is None and not _core_in_process(engine_config, server_config):
             self._init_core_process(engine_config)
         else:
             self._init_in_process(engine_config, llm_engine)

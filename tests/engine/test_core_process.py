@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -49,7 +50,7 @@ def start_long(stream: GenerateStream, request_id: str) -> None:
 
 @pytest.fixture
 def engine(tmp_path):
-    proc = start_engine(*SMALL, log_path=str(tmp_path / "engine.log"))
+    proc = start_engine(*SMALL, "--engine-core-process", log_path=str(tmp_path / "engine.log"))
     yield proc
     proc.stop()
 
@@ -119,3 +120,28 @@ def test_sigterm_drains_in_flight_requests_then_both_processes_end(engine):
         assert result.completions[0].finish_reason == pb.FINISH_REASON_LENGTH
     assert engine.process.wait(30) == 0
     assert not is_running(core)
+
+
+@pytest.mark.parametrize(("device", "flag", "tp", "in_process"), [
+    ("cpu", None, 1, True),  # the CPU default: measured faster in process (server._core_in_process)
+    ("cuda", None, 1, False),
+    ("cpu", False, 1, False),
+    ("cuda", True, 1, True),
+    ("cuda", False, 2, True),  # tensor-parallel workers report to rank 0's process
+])
+def test_where_the_core_runs(device, flag, tp, in_process):
+    from inference_service.server import _core_in_process
+
+    engine_config = SimpleNamespace(device=device, tensor_parallel_size=tp)
+    assert _core_in_process(engine_config, SimpleNamespace(engine_in_process=flag)) is in_process
+
+
+def test_core_flags_parse():
+    from inference_service.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["serve"]).engine_in_process is None
+    assert parse(["serve", "--engine-in-process"]).engine_in_process is True
+    assert parse(["serve", "--engine-core-process"]).engine_in_process is False
+    with pytest.raises(SystemExit):
+        parse(["serve", "--engine-in-process", "--engine-core-process"])
