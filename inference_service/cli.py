@@ -32,6 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="serve a model over gRPC", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Serve a model over gRPC (InferenceService, grpc.health.v1, server reflection).",
     )
+    _add_model_args(p)
+    _add_cache_and_scheduler_args(p)
+    _add_server_args(p)
+    return parser
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model to load and how: path or hub id, dtype, device, quantization."""
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None,
                    help="GGUF file, Hugging Face safetensors folder (decoder, or BERT encoder for embeddings only), "
@@ -92,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0, help="seed of the engine's shared random generator")
     m.add_argument("--embedding-pooling", default=None, choices=["mean", "cls", "last", "max"],
                    help="pooling of Embed; default: the model's sentence-transformers config, else last token")
+
+
+def _add_cache_and_scheduler_args(p: argparse.ArgumentParser) -> None:
+    """The paged KV cache and the continuous-batching scheduler."""
     c = p.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     c.add_argument("--kv-cache-memory", type=int, default=None, dest="kv_cache_memory_mib",
@@ -121,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs: waiting requests in arrival order (a request's priority is ignored); priority: "
                         "the lowest priority value first, arrival order among equals (as vLLM)")
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    """The gRPC server, its limits and its security."""
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (0.0.0.0: every interface; then set --api-key and TLS)")
@@ -150,7 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
     a.add_argument("--tls-ca", default=None, metavar="PEM",
                    help="mutual TLS: require client certificates signed by this CA")
-    return parser
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
