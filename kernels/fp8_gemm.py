@@ -1,4 +1,5 @@
-"""fp8 x fp8 matmul with scales: y = (x_q * x_scale) @ (w_q * w_scale).T, for FP8 checkpoints.
+"""fp8 x fp8 matmul with scales: y = (x_q * x_scale) @ (w_q * w_scale).T, for FP8 checkpoints; decode
+rows (up to MAX_FP8_GEMV_ROWS) go to the weight-only `fp8_gemv` instead.
 
 The weight is e4m3 [N, K] with one fp32 scale per [block_n, block_k] block: per tensor (N, K), per
 output channel (1, K) or block-wise (128, 128: DeepSeek-V3 / Qwen3-*-FP8 `weight_scale_inv`). The
@@ -29,6 +30,7 @@ from kernels._common import (
     require_dtype,
     require_inner_contiguous,
 )
+from kernels.fp8_gemv import MAX_FP8_GEMV_ROWS, fp8_gemv
 
 MIN_SCALE = 1e-12  # an all-zero group still gets a finite scale
 
@@ -90,9 +92,12 @@ def dequantize_fp8(w: Fp8Weight, dtype: torch.dtype = torch.float64) -> torch.Te
 
 
 def fp8_matmul_ref(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """float64 reference of `fp8_linear`: x quantized as the kernel does, both sides dequantized."""
-    xq, xs = quantize_fp8_groups(x, w.block_k)
-    y = (xq.double() * xs.double().repeat_interleave(w.block_k, 1)[:, :x.shape[1]]) @ dequantize_fp8(w).T
+    """float64 reference of `fp8_linear`: x as the kernel takes it (quantized to e4m3 past
+    MAX_FP8_GEMV_ROWS rows, as it is up to them), the weight dequantized."""
+    if x.shape[0] > MAX_FP8_GEMV_ROWS:
+        xq, xs = quantize_fp8_groups(x, w.block_k)
+        x = xq.double() * xs.double().repeat_interleave(w.block_k, 1)[:, :x.shape[1]]
+    y = x.double() @ dequantize_fp8(w).T
     return y if bias is None else y + bias.double()
 
 
@@ -162,18 +167,25 @@ def _can_scaled_mm(x: torch.Tensor, w: Fp8Weight) -> bool:
             and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0)
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (16/32-bit) @ dequant(w).T + bias -> [M, N] in x's dtype, x quantized to e4m3 per row and
-    block_k columns; fp32 accumulation."""
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, *,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (16/32-bit) @ dequant(w).T + bias (+ residual [M, N]) -> [M, N] in x's dtype, fp32
+    accumulation. Up to MAX_FP8_GEMV_ROWS rows (decode) x stays as it is (`fp8_gemv`); past them it is
+    quantized to e4m3 per row and block_k columns for the fp8 x fp8 GEMM."""
     n, k = w.shape
     require(x.dim() == 2 and x.shape[1] == k, f"x: expected [M, {k}], got {tuple(x.shape)}")
     require_dtype("x", x, ACT_DTYPES)
     require_inner_contiguous("x", x)
     require(bias is None or tuple(bias.shape) == (n,), f"bias: expected [{n}], got {None if bias is None else tuple(bias.shape)}")
+    require(residual is None or tuple(residual.shape) == (x.shape[0], n),
+            f"residual: expected {[x.shape[0], n]}, got {None if residual is None else list(residual.shape)}")
+    if x.shape[0] <= MAX_FP8_GEMV_ROWS:
+        return fp8_gemv(x, w.weight, w.scale, w.block_n, w.block_k, bias, residual=residual)
     xq, x_scale = quantize_fp8_groups(x, w.block_k)
     if _can_scaled_mm(x, w):
         scale_b = w.scale.view(1, -1) if w.scale.numel() > 1 else w.scale.view(1, 1)
         scale_b = scale_b.expand(1, n).contiguous() if scale_b.shape[1] == 1 else scale_b
-        return torch._scaled_mm(xq, w.weight.t(), scale_a=x_scale, scale_b=scale_b, bias=bias,
-                                out_dtype=x.dtype)
-    return fp8_gemm(xq, x_scale, w, bias, out_dtype=x.dtype)
+        y = torch._scaled_mm(xq, w.weight.t(), scale_a=x_scale, scale_b=scale_b, bias=bias, out_dtype=x.dtype)
+    else:
+        y = fp8_gemm(xq, x_scale, w, bias, out_dtype=x.dtype)
+    return y if residual is None else y.add_(residual)

@@ -49,8 +49,9 @@ class IntPackedWeight:
         k = num_groups * self.group_size
         if self.bits not in (4, 5, 6, 8):
             raise ValueError(f"bits: 4, 5, 6 or 8, got {self.bits}")
-        if k % NIBBLE_SPAN or self.group_size % 16:
-            raise ValueError(f"K={k} must be a multiple of {NIBBLE_SPAN} and group_size={self.group_size} of 16")
+        if k % NIBBLE_SPAN or (self.group_size != 16 and self.group_size % NIBBLE_SPAN):
+            raise ValueError(f"K={k} must be a multiple of {NIBBLE_SPAN} and group_size={self.group_size} 16 or "
+                             f"a multiple of {NIBBLE_SPAN}")
         qs_shape = (n, k) if self.bits == 8 else (n, k // 2)
         _check("qs", self.qs, qs_shape, (torch.uint8,))
         if self.bits in (5, 6):

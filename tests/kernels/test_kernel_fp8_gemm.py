@@ -14,6 +14,7 @@ from kernels.fp8_gemm import (
     fp8_matmul_ref,
     quantize_fp8_groups,
 )
+from kernels.fp8_gemv import MAX_FP8_GEMV_ROWS, fp8_gemv
 from tests.kernels.kernel_testlib import DEVICE, ON_GPU, TOL, rel_err
 
 SCALINGS = {"per_tensor": None, "per_channel": (1, None), "block_128": (128, 128), "block_32": (32, 32)}
@@ -40,6 +41,26 @@ def test_fp8_linear_matches_reference(scaling, dtype, num_rows):
         out = fp8_linear(x, w, bias)
         assert out.dtype == dtype and out.shape == (num_rows, n)
         assert rel_err(out, fp8_matmul_ref(x, w, bias)) < TOL[dtype], (scaling, n, k)
+
+
+def test_fp8_gemv_decodes_every_e4m3_code_exactly():
+    """The decode GEMV turns e4m3 bytes into floats by bit arithmetic: every finite code (subnormals,
+    both zeros, the largest) must come out as torch's own conversion, exactly."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 0x7F / 0xFF: NaN
+    q = codes[:, None].expand(-1, 32).contiguous().view(FP8_DTYPE)  # row i: code i, 32 times
+    w = Fp8Weight(q, torch.ones(1, 1), q.shape[0], 32).to(DEVICE)
+    out = fp8_gemv(torch.ones(1, 32, device=DEVICE), w.weight, w.scale, w.block_n, w.block_k)
+    assert torch.equal(out[0].cpu(), 32 * codes.view(FP8_DTYPE).float())
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, MAX_FP8_GEMV_ROWS])
+def test_fp8_linear_adds_the_residual(num_rows):
+    gen = torch.Generator().manual_seed(num_rows)
+    w = random_fp8_weight(40, 256, "block_32", gen)
+    x = torch.randn(num_rows, 256, generator=gen).to(DEVICE)
+    res = torch.randn(num_rows, 40, generator=gen).to(DEVICE)
+    ref = fp8_matmul_ref(x, w) + res.double()
+    assert rel_err(fp8_linear(x, w, residual=res), ref) < TOL[torch.float32]
 
 
 def test_fp8_quantization_error_against_the_unquantized_matmul():

@@ -18,9 +18,7 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
     rows = x.reshape(-1, x.shape[-1])
     n = weight.shape[0]
     if isinstance(weight, Fp8Weight):
-        y = fp8_linear(rows, weight, bias)
-        if residual is not None:
-            y += residual.reshape(-1, n)
+        y = fp8_linear(rows, weight, bias, residual=None if residual is None else residual.reshape(-1, n))
     elif residual is not None and rows.shape[0] > 16:  # the GEMM takes no residual: add it after
         y = quant_matmul(rows, weight, bias)
         y += residual.reshape(-1, n)

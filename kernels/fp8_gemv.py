@@ -1,0 +1,111 @@
+"""Weight-only fp8 skinny matmul for decode: y = x @ dequant(w).T with 1..16 rows of x.
+
+At decode batch sizes an fp8 linear layer is bound by reading its e4m3 weight (half the bytes of
+bf16). `fp8_gemm` would first quantize the activations (a handful of small launches per layer, which
+cost more than the matmul at one row); here x stays in its dtype, so the result is the exact
+dequantize-then-matmul up to fp32 summation order, more accurate than the fp8 x fp8 product.
+
+e4m3 becomes fp32 without a conversion instruction (those run at a fraction of the FMA rate): the
+magnitude's 7 bits shifted into an fp32's exponent and mantissa, plus 120 on the exponent (the bias
+difference, 127 - 7), are the same number; subnormal codes (exponent 0: m / 8 * 2**-6) come out as
+2**-7 * (1 + m / 8) and are mended with one multiply-add; the sign bit is OR-ed back. Scales apply
+once per K tile (a tile never straddles two scale blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import cast, is_interpreter, next_pow2, pdl_args, pdl_enter
+
+MAX_FP8_GEMV_ROWS = 16  # more rows go to the fp8 x fp8 GEMM
+
+
+@triton.jit
+def e4m3_bits_to_fp32(code):
+    """e4m3 codes (int32 0..255, the raw bytes) -> their exact fp32 values."""
+    magnitude = ((code & 0x7F) << 20) + (120 << 23)
+    value = magnitude.to(tl.float32, bitcast=True)
+    is_subnormal = (code & 0x78) == 0
+    value = tl.where(is_subnormal, value * 2.0 - 0.015625, value)  # 2 * (v - 2**-7) = m * 2**-9
+    return (value.to(tl.int32, bitcast=True) | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr,  # [M, K] activations
+    w_ptr,  # [N, K] e4m3, read as uint8
+    s_ptr,  # [cdiv(N, GROUP_N), cdiv(K, GROUP_K)] float32
+    b_ptr,  # [N] bias, or any pointer when not HAS_BIAS
+    r_ptr,  # [M, N] residual, or any pointer when not RESIDUAL
+    y_ptr,  # [M, N]
+    M, N, K, stride_xm, stride_wn, stride_s, stride_rm, stride_ym,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pdl_enter(USE_PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    s_rows = s_ptr + (offs_n // GROUP_N) * stride_s
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        in_k = k < K
+        code = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & in_k[None, :], other=0).to(tl.int32)
+        w = e4m3_bits_to_fp32(code)  # [BN, BK]
+        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & in_k[None, :], other=0.0).to(tl.float32)
+        scale = tl.load(s_rows + k0 // GROUP_K, mask=n_mask, other=0.0)  # [BN]
+        if BLOCK_M == 1:
+            part = tl.reshape(tl.sum(w * x, axis=1), (1, BLOCK_N))
+        else:
+            part = tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BM, BN]
+        acc += part * scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    if RESIDUAL:
+        acc += tl.load(r_ptr + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :], mask=y_mask,
+                       other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], cast(acc, y_ptr.dtype.element_ty),
+             mask=y_mask)
+
+
+def fp8_gemv_config(num_rows: int, n: int) -> dict:
+    """Tiles as `quant_gemv_config` picks them (enough programs to fill the SMs, a bounded number of
+    products per K step)."""
+    block_m = next_pow2(num_rows)
+    block_n = 4 if n >= 16384 else 8 if n >= 6144 else 16
+    block_k = max(64, min(1024, 8192 // (block_m * block_n)))
+    return {"block_n": block_n, "block_k": block_k, "num_warps": 8 if block_k >= 512 else 4, "num_stages": 3}
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
+             bias: torch.Tensor | None = None, *, residual: torch.Tensor | None = None,
+             out: torch.Tensor | None = None, tile_n: int | None = None, tile_k: int | None = None,
+             num_warps: int | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_FP8_GEMV_ROWS) @ (weight * scale blocks).T + bias (+ residual) -> [M, N] in x's
+    dtype, fp32 accumulation. `weight` e4m3 [N, K], `scale` float32 per [block_n, block_k] block.
+    Arguments are checked by `fp8_linear`, the entry point."""
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    tiles = fp8_gemv_config(num_rows, n)
+    tile_k = max(16, min(tile_k or tiles["block_k"], triton.next_power_of_2(k)))
+    if block_k < k:  # a tile within one scale block: the largest power of two dividing it
+        tile_k = min(tile_k, block_k & -block_k)
+    opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"], "num_stages": tiles["num_stages"]}
+    _fp8_gemv_kernel[(triton.cdiv(n, tile_n or tiles["block_n"]),)](
+        x, weight.view(torch.uint8), scale, bias if bias is not None else x, residual if residual is not None else x,
+        out, num_rows, n, k, x.stride(0), weight.stride(0), scale.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0), GROUP_N=block_n, GROUP_K=block_k,
+        HAS_BIAS=bias is not None, RESIDUAL=residual is not None, BLOCK_M=next_pow2(num_rows),
+        BLOCK_N=tile_n or tiles["block_n"], BLOCK_K=tile_k, **opts, **pdl_args(x.device))
+    return out
