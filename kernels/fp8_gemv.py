@@ -1,15 +1,14 @@
-"""Weight-only fp8 skinny matmul for decode: y = x @ dequant(w).T with 1..16 rows of x.
+"""Weight-only fp8 skinny matmul for decode: y = x @ dequant(w).T with 1..4 rows of x.
 
 At decode batch sizes an fp8 linear layer is bound by reading its e4m3 weight (half the bytes of
 bf16). `fp8_gemm` would first quantize the activations (a handful of small launches per layer, which
 cost more than the matmul at one row); here x stays in its dtype, so the result is the exact
 dequantize-then-matmul up to fp32 summation order, more accurate than the fp8 x fp8 product.
 
-e4m3 becomes fp32 without a conversion instruction (those run at a fraction of the FMA rate): the
-magnitude's 7 bits shifted into an fp32's exponent and mantissa, plus 120 on the exponent (the bias
-difference, 127 - 7), are the same number; subnormal codes (exponent 0: m / 8 * 2**-6) come out as
-2**-7 * (1 + m / 8) and are mended with one multiply-add; the sign bit is OR-ed back. Scales apply
-once per K tile (a tile never straddles two scale blocks).
+e4m3 becomes fp32 without a conversion instruction (those run at a fraction of the FMA rate): its
+bits moved into an fp32's sign, exponent and mantissa make the same number times 2**-120 (the bias
+difference, 127 - 7), so two integer ops and one multiply decode it. Scales apply once per K tile (a
+tile never straddles two scale blocks).
 """
 
 from __future__ import annotations
@@ -20,17 +19,17 @@ import triton.language as tl
 
 from kernels._common import cast, is_interpreter, next_pow2, pdl_args, pdl_enter
 
-MAX_FP8_GEMV_ROWS = 16  # more rows go to the fp8 x fp8 GEMM
+MAX_FP8_GEMV_ROWS = 4  # more rows go to the fp8 x fp8 GEMM (tensor cores)
 
 
 @triton.jit
 def e4m3_bits_to_fp32(code):
-    """e4m3 codes (int32 0..255, the raw bytes) -> their exact fp32 values."""
-    magnitude = ((code & 0x7F) << 20) + (120 << 23)
-    value = magnitude.to(tl.float32, bitcast=True)
-    is_subnormal = (code & 0x78) == 0
-    value = tl.where(is_subnormal, value * 2.0 - 0.015625, value)  # 2 * (v - 2**-7) = m * 2**-9
-    return (value.to(tl.int32, bitcast=True) | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)
+    """e4m3 codes (int32 holding the raw byte in its low 8 bits) -> their exact fp32 values."""
+    # The byte to the top, then arithmetically 4 back: the sign stays in bit 31, the exponent and
+    # mantissa land in fp32's bits 23-26 and 20-22. That float is the code's value * 2**-120 (subnormal
+    # codes included, as fp32 subnormals), so one multiply by 2**120 finishes it.
+    bits = ((code << 24) >> 4) & -2014314496  # 0x87F00000: sign, 4 exponent and 3 mantissa bits
+    return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2**120
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 and `quant_matmul`, the entry point that picks it or the decode GEMV by the number of rows.
 
 Each program owns a [BLOCK_M, BLOCK_N] output tile. Per K tile it widens the packed weight tile to
-fp32 in registers (`dequant_tile`), rounds it to the activation dtype and feeds two dots, one per
+fp32 in registers (`dequant_tile`: codes by bit arithmetic, scales / zeros / offsets once a group), rounds it to the activation dtype and feeds two dots, one per
 nibble plane (plane lo holds columns j of each 32, plane hi columns j + 16; x is loaded as the two
 matching strided views), accumulating in fp32. The weight is read once per BLOCK_M rows of x, so
 at large batch the kernel is compute-bound like a 16-bit GEMM plus the dequantization.
@@ -29,7 +29,7 @@ from kernels._common import (
     require_same_device,
 )
 from kernels.quant_gemv import MAX_QUANT_GEMV_ROWS, quant_gemv
-from kernels.quant_layout import IntPackedWeight, dequant_tile, kernel_args, next_tile_k
+from kernels.quant_layout import IntPackedWeight, dequant_tile, kernel_args, tile_for
 
 
 @triton.jit
@@ -43,6 +43,7 @@ def _quant_gemm_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    CHUNK: tl.constexpr, GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
@@ -52,10 +53,9 @@ def _quant_gemm_kernel(
     act = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w_lo, w_hi, cols_lo, cols_hi, _ = dequant_tile(
-            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s,
-            BITS, GROUP, ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_K)
-        in_k = cols_lo < K
+        w_lo, w_hi, cols_lo, cols_hi, in_k = dequant_tile(
+            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
+            ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP)
         if HAS_PERM:
             cols_lo = tl.load(perm_ptr + cols_lo, mask=in_k, other=0)
             cols_hi = tl.load(perm_ptr + cols_hi, mask=in_k, other=0)
@@ -90,7 +90,7 @@ def quant_gemm(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = 
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     tiles = quant_gemm_config(num_rows, n)
     block_m, block_n = block_m or tiles["block_m"], block_n or tiles["block_n"]
-    block_k = next_tile_k(k, block_k or tiles["block_k"])
+    block_k, chunking = tile_for(w, block_k or tiles["block_k"])
     opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"],
                                         "num_stages": num_stages or tiles["num_stages"]}
     args, consts = kernel_args(w)
@@ -98,7 +98,7 @@ def quant_gemm(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = 
     _quant_gemm_kernel[grid](
         x, w.perm if w.perm is not None else x, bias if bias is not None else x, out, *args,
         num_rows, n, k, x.stride(0), out.stride(0), **consts, HAS_PERM=w.perm is not None,
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **chunking,
         DOT_PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), **opts, **pdl_args(x.device))
     return out
 

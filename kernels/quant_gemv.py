@@ -28,10 +28,9 @@ import triton
 import triton.language as tl
 
 from kernels._common import cast, is_interpreter, next_pow2, pdl_args, pdl_enter
-from kernels.quant_layout import NIBBLE_SPAN, IntPackedWeight, kernel_args, next_tile_k
+from kernels.quant_layout import IntPackedWeight, kernel_args, tile_for, tile_parts
 
 MAX_QUANT_GEMV_ROWS = 16  # more rows go to `quant_gemm` (tensor cores)
-FLOAT_MAGIC = 0x4B000000  # the bits of 2.0 ** 23: OR-ing an integer below 2**23 into it adds it
 
 
 @triton.jit
@@ -50,42 +49,18 @@ def _quant_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNK: tl.constexpr, GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # A tile's plane of BLOCK_K / 2 columns is NUM_CHUNKS chunks of CHUNK columns, one group each:
-    # chunk c of plane lo is group k0 // GROUP + c * GROUP_STEP, of plane hi that + HI_GROUP.
     NUM_CHUNKS: tl.constexpr = BLOCK_K // 2 // CHUNK
     pdl_enter(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    rows = offs_n.to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm  # [BM, 1]
-    b = tl.arange(0, BLOCK_K // 2)
-    chunks = tl.arange(0, NUM_CHUNKS)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        cols_lo = k0 + (b // 16) * 32 + b % 16  # [BK/2]
-        cols_hi = cols_lo + 16
-        in_k = cols_lo < K  # K % 32 == 0: cols_hi < K alike
-        w_mask = n_mask[:, None] & in_k[None, :]
-        q_lo, q_hi = _load_codes(qs_ptr, qh_ptr, rows, k0, b, cols_lo, cols_hi, w_mask, stride_qs, stride_qh,
-                                 BITS, BLOCK_K)
-        group_lo = k0 // GROUP + chunks * GROUP_STEP  # [NC]
-        in_groups = (k0 + chunks * (2 * CHUNK)) < K
-        zf_lo, s_lo, o_lo = _group_params(z_ptr, s_ptr, o_ptr, rows, group_lo, n_mask, in_groups, stride_s,
-                                          ZERO, HAS_ZEROS, HAS_OFFSETS)
-        if HI_GROUP == 0:
-            zf_hi = zf_lo
-            s_hi = s_lo
-            o_hi = o_lo
-        else:
-            zf_hi, s_hi, o_hi = _group_params(z_ptr, s_ptr, o_ptr, rows, group_lo + HI_GROUP, n_mask, in_groups,
-                                              stride_s, ZERO, HAS_ZEROS, HAS_OFFSETS)
-        # q - zero, exactly, as fp32 [BN, NC, CHUNK]
-        w_lo = tl.reshape((q_lo | FLOAT_MAGIC).to(tl.float32, bitcast=True), (BLOCK_N, NUM_CHUNKS, CHUNK))
-        w_hi = tl.reshape((q_hi | FLOAT_MAGIC).to(tl.float32, bitcast=True), (BLOCK_N, NUM_CHUNKS, CHUNK))
-        w_lo = w_lo - zf_lo[:, :, None]
-        w_hi = w_hi - zf_hi[:, :, None]
+        w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k = tile_parts(
+            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
+            ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP)
         if HAS_PERM:
             cols_lo = tl.load(perm_ptr + cols_lo, mask=in_k, other=0)
             cols_hi = tl.load(perm_ptr + cols_hi, mask=in_k, other=0)
@@ -110,45 +85,6 @@ def _quant_gemv_kernel(
                        other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], cast(acc, y_ptr.dtype.element_ty),
              mask=y_mask)
-
-
-@triton.jit
-def _load_codes(qs_ptr, qh_ptr, rows, k0, b, cols_lo, cols_hi, mask, stride_qs, stride_qh,
-                BITS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The unsigned codes of columns cols_lo and cols_hi of `rows`, as int32 [BN, BK/2] each."""
-    if BITS == 8:
-        q_lo = tl.load(qs_ptr + rows[:, None] * stride_qs + cols_lo[None, :], mask=mask, other=0).to(tl.int32)
-        q_hi = tl.load(qs_ptr + rows[:, None] * stride_qs + cols_hi[None, :], mask=mask, other=0).to(tl.int32)
-    else:
-        byte = tl.load(qs_ptr + rows[:, None] * stride_qs + (k0 // 2 + b)[None, :], mask=mask, other=0).to(tl.int32)
-        q_lo = byte & 15
-        q_hi = byte >> 4
-        if BITS > 4:
-            HB: tl.constexpr = BITS - 4
-            PER: tl.constexpr = 8 // HB
-            h_lo = tl.load(qh_ptr + rows[:, None] * stride_qh + (cols_lo // PER)[None, :], mask=mask, other=0)
-            h_hi = tl.load(qh_ptr + rows[:, None] * stride_qh + (cols_hi // PER)[None, :], mask=mask, other=0)
-            q_lo = q_lo | (((h_lo.to(tl.int32) >> ((cols_lo % PER) * HB)[None, :]) & ((1 << HB) - 1)) << 4)
-            q_hi = q_hi | (((h_hi.to(tl.int32) >> ((cols_hi % PER) * HB)[None, :]) & ((1 << HB) - 1)) << 4)
-    return q_lo, q_hi
-
-
-@triton.jit
-def _group_params(z_ptr, s_ptr, o_ptr, rows, groups, n_mask, in_groups, stride_s,
-                  ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_OFFSETS: tl.constexpr):
-    """For `groups` [NC] of `rows` [BN]: (2**23 + zero, scale, offset), each fp32 [BN, NC]."""
-    mask = n_mask[:, None] & in_groups[None, :]
-    at = rows[:, None] * stride_s + groups[None, :]
-    scale = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        zero = tl.load(z_ptr + at, mask=mask, other=0).to(tl.float32) + 8388608.0
-    else:
-        zero = tl.zeros_like(scale) + (ZERO + 8388608.0)
-    if HAS_OFFSETS:
-        offset = tl.load(o_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    else:
-        offset = scale
-    return zero, scale, offset
 
 
 @triton.jit
@@ -187,21 +123,6 @@ def quant_gemv_config(num_rows: int, n: int) -> dict:
     return {"block_n": block_n, "block_k": block_k, "num_warps": 8 if block_k >= 512 else 4, "num_stages": 3}
 
 
-def group_chunks(group_size: int, k: int, block_k: int) -> tuple[int, dict]:
-    """The K tile and its chunking for a group size: (block_k, {CHUNK, GROUP_STEP, HI_GROUP}).
-
-    One group a tile (per channel, or groups wider than the tile: a tile must not straddle two);
-    several groups of 32 or more (a group's lo and hi columns share it); groups of 16 (in each 32
-    columns, lo is one group and hi the next)."""
-    if group_size == 16:
-        return block_k, {"CHUNK": 16, "GROUP_STEP": 2, "HI_GROUP": 1}
-    if group_size < k and block_k % group_size == 0:
-        return block_k, {"CHUNK": group_size // 2, "GROUP_STEP": 1, "HI_GROUP": 0}
-    if group_size < k:  # a tile within one group: the largest power of two dividing it
-        block_k = min(block_k, group_size & -group_size)
-    return block_k, {"CHUNK": block_k // 2, "GROUP_STEP": 1, "HI_GROUP": 0}
-
-
 def quant_gemv(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = None, *, gated: bool = False,
                norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
                out: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
@@ -214,8 +135,7 @@ def quant_gemv(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = 
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     tiles = quant_gemv_config(num_rows, n)
     block_n = block_n or tiles["block_n"]
-    block_k, chunking = group_chunks(w.group_size, k, next_tile_k(k, block_k or tiles["block_k"]))
-    assert block_k % NIBBLE_SPAN == 0, block_k
+    block_k, chunking = tile_for(w, block_k or tiles["block_k"])
     opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"],
                                         "num_stages": num_stages or tiles["num_stages"]}
     args, consts = kernel_args(w)

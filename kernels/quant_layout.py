@@ -162,18 +162,33 @@ def quant_matmul_ref(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | N
     return gemv_ref(x, dequantize_int(w, torch.float64).to(x.device), bias, gated, norm_weight, eps, residual)
 
 
+FLOAT_MAGIC = tl.constexpr(0x4B000000)  # the bits of 2.0 ** 23: OR-ing in an integer below 2**23 adds it
+MAGIC_VALUE = tl.constexpr(8388608.0)  # 2.0 ** 23
+
+
 @triton.jit
-def dequant_tile(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s,
-                 BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                 HAS_OFFSETS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Columns k0 .. k0 + BLOCK_K of rows `offs_n`, dequantized in fp32 as two planes [BLOCK_N, BLOCK_K / 2]:
-    (w_lo, w_hi, cols_lo, cols_hi, mask): plane lo holds columns cols_lo, plane hi cols_lo + 16 (k0 is a
-    multiple of 32, BLOCK_K of 32)."""
+def tile_parts(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s,
+               BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
+               HAS_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+               GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of rows `offs_n` (k0 a multiple of BLOCK_K, itself of 32) as two planes,
+    lo (columns j of each 32) and hi (j + 16), each cut into NC = BLOCK_K / 2 / CHUNK chunks of one group
+    (`group_chunks`): (w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k) with w = q - zero exactly,
+    fp32 [BN, NC, CHUNK], its group's scale and offset fp32 [BN, NC] (w * s + o is the weight), the planes'
+    columns [BK/2] and which are inside K.
+
+    NOTE: a code becomes a float without a conversion instruction (those run at a fraction of the FMA
+    rate): the bits of (q | 0x4B000000) are the float 2**23 + q, and subtracting 2**23 + zero leaves
+    q - zero exactly (integers below 2**24). Scales, zeros and offsets are loaded and widened once a
+    group."""
+    NUM_CHUNKS: tl.constexpr = BLOCK_K // 2 // CHUNK
     b = tl.arange(0, BLOCK_K // 2)
     cols_lo = k0 + (b // 16) * 32 + b % 16
     cols_hi = cols_lo + 16
-    mask = (offs_n[:, None] < N) & (cols_lo[None, :] < K)  # K % 32 == 0: cols_hi < K alike
+    in_k = cols_lo < K  # K % 32 == 0: cols_hi < K alike
+    n_mask = offs_n < N
     rows = offs_n[:, None].to(tl.int64)
+    mask = n_mask[:, None] & in_k[None, :]
     if BITS == 8:
         q_lo = tl.load(qs_ptr + rows * stride_qs + cols_lo[None, :], mask=mask, other=0).to(tl.int32)
         q_hi = tl.load(qs_ptr + rows * stride_qs + cols_hi[None, :], mask=mask, other=0).to(tl.int32)
@@ -188,39 +203,59 @@ def dequant_tile(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_q
             h_hi = tl.load(qh_ptr + rows * stride_qh + (cols_hi // PER)[None, :], mask=mask, other=0).to(tl.int32)
             q_lo = q_lo | (((h_lo >> ((cols_lo % PER) * HB)[None, :]) & ((1 << HB) - 1)) << 4)
             q_hi = q_hi | (((h_hi >> ((cols_hi % PER) * HB)[None, :]) & ((1 << HB) - 1)) << 4)
-    # NOTE: with groups of 32 or more, columns j and j + 16 of a 32-column span share their group:
-    # one load of scale / zero / offset serves both planes.
-    g_lo = rows * stride_s + (cols_lo // GROUP)[None, :]
-    s_lo = tl.load(s_ptr + g_lo, mask=mask, other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        z_lo = tl.load(z_ptr + g_lo, mask=mask, other=0).to(tl.float32)
-    else:
-        z_lo = ZERO
-    if HAS_OFFSETS:
-        o_lo = tl.load(o_ptr + g_lo, mask=mask, other=0.0).to(tl.float32)
-    else:
-        o_lo = 0.0
-    if GROUP >= 32:
-        s_hi = s_lo
+    chunks = tl.arange(0, NUM_CHUNKS)
+    group_lo = k0 // GROUP + chunks * GROUP_STEP  # [NC]
+    in_groups = (k0 + chunks * (2 * CHUNK)) < K
+    z_lo, s_lo, o_lo = _group_params(z_ptr, s_ptr, o_ptr, rows, group_lo, n_mask, in_groups, stride_s,
+                                     ZERO, HAS_ZEROS, HAS_OFFSETS)
+    if HI_GROUP == 0:
         z_hi = z_lo
+        s_hi = s_lo
         o_hi = o_lo
     else:
-        g_hi = rows * stride_s + (cols_hi // GROUP)[None, :]
-        s_hi = tl.load(s_ptr + g_hi, mask=mask, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            z_hi = tl.load(z_ptr + g_hi, mask=mask, other=0).to(tl.float32)
-        else:
-            z_hi = ZERO
-        if HAS_OFFSETS:
-            o_hi = tl.load(o_ptr + g_hi, mask=mask, other=0.0).to(tl.float32)
-        else:
-            o_hi = 0.0
-    w_lo = s_lo * (q_lo.to(tl.float32) - z_lo)
-    w_hi = s_hi * (q_hi.to(tl.float32) - z_hi)
+        z_hi, s_hi, o_hi = _group_params(z_ptr, s_ptr, o_ptr, rows, group_lo + HI_GROUP, n_mask, in_groups,
+                                         stride_s, ZERO, HAS_ZEROS, HAS_OFFSETS)
+    w_lo = tl.reshape((q_lo | FLOAT_MAGIC).to(tl.float32, bitcast=True), (BLOCK_N, NUM_CHUNKS, CHUNK))
+    w_hi = tl.reshape((q_hi | FLOAT_MAGIC).to(tl.float32, bitcast=True), (BLOCK_N, NUM_CHUNKS, CHUNK))
+    w_lo = w_lo - z_lo[:, :, None]
+    w_hi = w_hi - z_hi[:, :, None]
+    return w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k
+
+
+@triton.jit
+def _group_params(z_ptr, s_ptr, o_ptr, rows, groups, n_mask, in_groups, stride_s,
+                  ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_OFFSETS: tl.constexpr):
+    """For `groups` [NC] of `rows` [BN, 1]: (2**23 + zero, scale, offset), each fp32 [BN, NC]."""
+    mask = n_mask[:, None] & in_groups[None, :]
+    at = rows * stride_s + groups[None, :]
+    scale = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + at, mask=mask, other=0).to(tl.float32) + MAGIC_VALUE
+    else:
+        zero = tl.zeros_like(scale) + (ZERO + MAGIC_VALUE)
     if HAS_OFFSETS:
-        w_lo += o_lo
-        w_hi += o_hi
-    return w_lo, w_hi, cols_lo, cols_hi, mask
+        offset = tl.load(o_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    else:
+        offset = scale  # unused
+    return zero, scale, offset
+
+
+@triton.jit
+def dequant_tile(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                 HAS_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+                 GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr):
+    """`tile_parts` widened to the weight: (w_lo, w_hi, cols_lo, cols_hi, in_k), planes fp32 [BN, BK/2]."""
+    w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k = tile_parts(
+        qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP, ZERO,
+        HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP)
+    w_lo = w_lo * s_lo[:, :, None]
+    w_hi = w_hi * s_hi[:, :, None]
+    if HAS_OFFSETS:
+        w_lo += o_lo[:, :, None]
+        w_hi += o_hi[:, :, None]
+    return (tl.reshape(w_lo, (BLOCK_N, BLOCK_K // 2)), tl.reshape(w_hi, (BLOCK_N, BLOCK_K // 2)), cols_lo, cols_hi,
+            in_k)
 
 
 def kernel_args(w: IntPackedWeight) -> tuple[list, dict]:
@@ -234,6 +269,18 @@ def kernel_args(w: IntPackedWeight) -> tuple[list, dict]:
     return ptrs + strides, consts
 
 
-def next_tile_k(k: int, block_k: int) -> int:
-    """A K tile that is a multiple of 32 and no wider than K needs."""
-    return max(NIBBLE_SPAN, min(block_k, triton.next_power_of_2(k)))
+def tile_for(w: IntPackedWeight, block_k: int) -> tuple[int, dict]:
+    """The K tile for `w` (a power of two, a multiple of 32, no wider than K needs, never straddling two
+    groups) and its chunking constexprs for `tile_parts`: (block_k, {CHUNK, GROUP_STEP, HI_GROUP}).
+
+    One group a tile (per channel, or groups at least as wide as the tile); several groups of 32 or more
+    (a group's lo and hi columns share it); groups of 16 (in each 32 columns, lo is one group, hi the next)."""
+    group, k = w.group_size, w.shape[1]
+    block_k = max(NIBBLE_SPAN, min(block_k, triton.next_power_of_2(k)))
+    if group == 16:
+        return block_k, {"CHUNK": 16, "GROUP_STEP": 2, "HI_GROUP": 1}
+    if group < k and block_k % group == 0:
+        return block_k, {"CHUNK": group // 2, "GROUP_STEP": 1, "HI_GROUP": 0}
+    if group < k:  # a tile within one group: the largest power of two dividing it (a multiple of 32)
+        block_k = min(block_k, group & -group)
+    return block_k, {"CHUNK": block_k // 2, "GROUP_STEP": 1, "HI_GROUP": 0}
