@@ -54,7 +54,6 @@ def _quant_gemv_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm  # [BM, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -64,17 +63,22 @@ def _quant_gemv_kernel(
         if HAS_PERM:
             cols_lo = tl.load(perm_ptr + cols_lo, mask=in_k, other=0)
             cols_hi = tl.load(perm_ptr + cols_hi, mask=in_k, other=0)
-        x_mask = (offs_m[:, None] < M) & in_k[None, :]
-        x_lo = _load_x(x_rows, cols_lo, x_mask, K, GATED)  # [BM, BK/2] fp32
-        x_hi = _load_x(x_rows, cols_hi, x_mask, K, GATED)
         if NORM:
-            squares += tl.sum(x_lo * x_lo, axis=1) + tl.sum(x_hi * x_hi, axis=1)
-            x_lo *= tl.load(nw_ptr + cols_lo, mask=in_k, other=0.0).to(tl.float32)[None, :]
-            x_hi *= tl.load(nw_ptr + cols_hi, mask=in_k, other=0.0).to(tl.float32)[None, :]
-        x_lo = tl.reshape(x_lo, (BLOCK_M, NUM_CHUNKS, CHUNK))
-        x_hi = tl.reshape(x_hi, (BLOCK_M, NUM_CHUNKS, CHUNK))
-        acc += _scaled_chunk_sums(x_lo, w_lo, s_lo, o_lo, BLOCK_M, HAS_OFFSETS)
-        acc += _scaled_chunk_sums(x_hi, w_hi, s_hi, o_hi, BLOCK_M, HAS_OFFSETS)
+            nw_lo = tl.load(nw_ptr + cols_lo, mask=in_k, other=0.0).to(tl.float32)
+            nw_hi = tl.load(nw_ptr + cols_hi, mask=in_k, other=0.0).to(tl.float32)
+        # NOTE: one row of x at a time against the widened tile held in registers: the products of a
+        # row are [BN, NC, CHUNK], as at batch 1 (a [BM, BN, NC, CHUNK] broadcast spills registers).
+        for mi in tl.static_range(BLOCK_M):
+            x_row = x_ptr + tl.minimum(M - 1, mi).to(tl.int64) * stride_xm  # rows past M: never stored
+            x_lo = _load_x(x_row, cols_lo, in_k, K, GATED)  # [BK/2] fp32
+            x_hi = _load_x(x_row, cols_hi, in_k, K, GATED)
+            if NORM:
+                squares += tl.where(offs_m == mi, tl.sum(x_lo * x_lo) + tl.sum(x_hi * x_hi), 0.0)
+                x_lo *= nw_lo
+                x_hi *= nw_hi
+            part = (_scaled_chunk_sums(tl.reshape(x_lo, (NUM_CHUNKS, CHUNK)), w_lo, s_lo, o_lo, HAS_OFFSETS)
+                    + _scaled_chunk_sums(tl.reshape(x_hi, (NUM_CHUNKS, CHUNK)), w_hi, s_hi, o_hi, HAS_OFFSETS))
+            acc += tl.where(offs_m[:, None] == mi, part[None, :], 0.0)
     if NORM:
         acc = acc / tl.sqrt(squares / K + eps)[:, None]
     if HAS_BIAS:
@@ -88,38 +92,31 @@ def _quant_gemv_kernel(
 
 
 @triton.jit
-def _scaled_chunk_sums(x, w, scale, offset, BLOCK_M: tl.constexpr, HAS_OFFSETS: tl.constexpr):
-    """sum over chunks of scale * sum(x * w) (+ offset * sum(x)): x [BM, NC, CH], w [BN, NC, CH],
-    scale and offset [BN, NC] -> [BM, BN]."""
-    if BLOCK_M == 1:
-        x1 = tl.reshape(x, (x.shape[1], x.shape[2]))
-        sums = tl.sum(w * x1[None, :, :], axis=2) * scale  # [BN, NC]
-        if HAS_OFFSETS:
-            sums += offset * tl.sum(x1, axis=1)[None, :]
-        return tl.reshape(tl.sum(sums, axis=1), (1, w.shape[0]))
-    sums = tl.sum(x[:, None, :, :] * w[None, :, :, :], axis=3) * scale[None, :, :]  # [BM, BN, NC]
+def _scaled_chunk_sums(x, w, scale, offset, HAS_OFFSETS: tl.constexpr):
+    """One row: sum over chunks of scale * sum(x * w) (+ offset * sum(x)): x [NC, CH], w [BN, NC, CH],
+    scale and offset [BN, NC] -> [BN]."""
+    sums = tl.sum(w * x[None, :, :], axis=2) * scale  # [BN, NC]
     if HAS_OFFSETS:
-        sums += offset[None, :, :] * tl.sum(x, axis=2)[:, None, :]
-    return tl.sum(sums, axis=2)
+        sums += offset * tl.sum(x, axis=1)[None, :]
+    return tl.sum(sums, axis=1)
 
 
 @triton.jit
-def _load_x(x_rows, cols, mask, K, GATED: tl.constexpr):
-    """Columns `cols` of the rows of x, in fp32: x itself, or silu(gate) * up of x = [gate | up]."""
+def _load_x(x_row, cols, mask, K, GATED: tl.constexpr):
+    """Columns `cols` of a row of x, in fp32: x itself, or silu(gate) * up of x = [gate | up]."""
     if GATED:
-        gate = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_rows + K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_row + K + cols, mask=mask, other=0.0).to(tl.float32)
         return gate * tl.sigmoid(gate) * up
-    return tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
 
 
-def quant_gemv_config(num_rows: int, n: int) -> dict:
+def quant_gemv_config(n: int) -> dict:
     """Tiles (a first guess for the GPU; `bench/gpu_quant.py --sweep` measures them): output columns a
     program as `gemv` picks them (enough programs to fill the SMs, fewer columns the wider the layer),
-    and a K tile that keeps the BLOCK_M x BLOCK_N x BLOCK_K / 2 products of one step near 4096."""
-    block_m = next_pow2(num_rows)
+    and a K tile that keeps the BLOCK_N x BLOCK_K / 2 products of a row near 4096 (rows go one at a time)."""
     block_n = 4 if n >= 16384 else 8 if n >= 6144 else 16
-    block_k = max(64, min(1024, 8192 // (block_m * block_n)))
+    block_k = max(64, min(1024, 8192 // block_n))
     return {"block_n": block_n, "block_k": block_k, "num_warps": 8 if block_k >= 512 else 4, "num_stages": 3}
 
 
@@ -133,7 +130,7 @@ def quant_gemv(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = 
     n, k = w.shape
     if out is None:
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
-    tiles = quant_gemv_config(num_rows, n)
+    tiles = quant_gemv_config(n)
     block_n = block_n or tiles["block_n"]
     block_k, chunking = tile_for(w, block_k or tiles["block_k"])
     opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"],
