@@ -142,9 +142,10 @@ def _serve(config, args: argparse.Namespace, sockets) -> int:
 
     app = create_app(config)
     freeze_startup_heap()  # one app a process: full collections skip what lives until exit
-    # After the drain, uvicorn itself gets a second to cancel what is left.
+    # NOTE: the drain already gave streams --shutdown-timeout; past it uvicorn cuts what is left at once
+    # (its own graceful wait would let them run on for that long again).
     server = DrainingServer(uvicorn_config(app, config, host=args.host, port=args.port,
-                                           log_level=args.log_level.lower(), timeout_graceful_shutdown=1),
+                                           log_level=args.log_level.lower(), timeout_graceful_shutdown=0.05),
                             app.state.drain, args.shutdown_timeout)
     server.run(sockets=sockets)
     return 0

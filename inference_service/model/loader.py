@@ -133,6 +133,9 @@ def load_model(path: str | None = None, *, device: str | torch.device = "cpu", d
                          attention_backend=get_attention_backend(device, attention_backend),
                          linear_cls=quant.QuantizedLinear if spec is not None or quantization else None)
     model.load_weights(weights)
+    if (spec is not None or quantization) and not quant.runs_packed(device):
+        logger.warning("%s weights expanded to %s at load: the quantized kernels run on CUDA devices",
+                       label, str(dtype).removeprefix("torch."))
     pooling = _decoder_pooling(path) if os.path.isdir(path) else None
     return _with_summary(LoadedModel(config=config, model=model, tokenizer=tokenizer,
                                      model_path=os.path.abspath(path), model_name=alias or name, pooling=pooling),

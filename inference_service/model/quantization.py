@@ -27,7 +27,7 @@ from inference_service.model.quant.loading import (
     in_situ_weights,
     quantized_safetensors_weights,
 )
-from inference_service.model.quantized_linear import QuantizedLinear
+from inference_service.model.quantized_linear import QuantizedLinear, runs_packed
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,6 @@ def quantize_loaded_model(model: DecoderModel, method: str, *, release: bool = T
     return quantized
 
 
-__all__ = ["QuantizationConfigError", "QuantizedLinear", "check_in_situ", "in_situ_weights",
+__all__ = ["QuantizationConfigError", "QuantizedLinear", "runs_packed", "check_in_situ", "in_situ_weights",
            "quantize_loaded_model", "quantized_safetensors_weights", "read_quant_spec", "spec_label",
            "summarize_model"]

@@ -7,8 +7,9 @@ or a plain tensor (an unquantized layer: the lm_head, a module the checkpoint's 
 `finish_loading` stacks the packed parts into one weight once, so a step makes one kernel call per
 projection; a layer whose rows came partly plain expands the packed parts beside them (logged).
 
-The forward has no host syncs and allocates only its output: CUDA-graph capturable. On the CPU the
-kernels run under the Triton interpreter (`TRITON_INTERPRET=1`, tests only).
+The forward has no host syncs and allocates only its output: CUDA-graph capturable. The kernels run
+on CUDA, and on the CPU only under the Triton interpreter (`TRITON_INTERPRET=1`, tests); elsewhere on
+the CPU the packed rows are expanded into the plain weight at load (the loader says so once).
 """
 
 from __future__ import annotations
@@ -25,12 +26,18 @@ from inference_service.model.linear import LinearBase
 from inference_service.model.quant.packed_linear import dequantize_packed, packed_linear
 from inference_service.model.quant.rows import concat_rows
 from inference_service.model.quant.summary import PackedWeight, describe_weight
+from kernels._common import is_interpreter
 from kernels.fp8_gemm import Fp8Weight
 from kernels.quant_layout import IntPackedWeight
 
 logger = logging.getLogger(__name__)
 
 _PACKED_TYPES = (IntPackedWeight, Fp8Weight)
+
+
+def runs_packed(device: torch.device | str) -> bool:
+    """Whether the quantized Triton kernels run on `device`: CUDA, or anything under the interpreter."""
+    return torch.device(device).type == "cuda" or is_interpreter()
 
 
 class QuantizedLinear(LinearBase):
@@ -88,7 +95,7 @@ class QuantizedLinear(LinearBase):
         if num_packed + self._num_plain_rows != self.out_features:
             raise UnsupportedModelError(f"a projection got {num_packed} packed and {self._num_plain_rows} plain rows "
                                         f"of {self.out_features}")
-        if self._num_plain_rows == 0:
+        if self._num_plain_rows == 0 and runs_packed(self.device):
             expected = 0
             for first, w in parts:
                 if first != expected:
@@ -103,8 +110,9 @@ class QuantizedLinear(LinearBase):
                 self.packed = parts[0][1]
                 self._split_parts = parts
         else:
-            logger.info("a projection of %d rows came %d of them quantized and %d plain: running it in %s",
-                        self.out_features, num_packed, self._num_plain_rows, self.dtype)
+            if self._num_plain_rows:
+                logger.info("a projection of %d rows came %d of them quantized and %d plain: running it in %s",
+                            self.out_features, num_packed, self._num_plain_rows, self.dtype)
             with torch.no_grad():
                 for first, w in parts:
                     self._plain_weight()[first:first + w.shape[0]].copy_(dequantize_packed(w, self.dtype))

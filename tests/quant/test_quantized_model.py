@@ -7,6 +7,7 @@ On the CPU the kernels run in Triton's interpreter (conftest.py)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -21,6 +22,7 @@ from inference_service.model.loader import load_model
 from inference_service.model.quant.config import QuantizationConfigError
 from inference_service.model.quantized_linear import QuantizedLinear
 from kernels.fp8_gemm import quantize_fp8_groups
+from kernels.fp8_gemv import MAX_FP8_GEMV_ROWS
 from tests.model.harness import PagedHarness
 from tests.model.tiny_models import make_hf_model, save_hf_model
 from tests.quant.checkpoints import TINY_LLAMA, write_quantized
@@ -47,9 +49,10 @@ CHECKPOINTS = [
 
 
 class Fp8ActivationLinear(DenseLinear):
-    """The twin of an fp8 projection: the dequantized weight, and x rounded to e4m3 as the fp8 kernels
-    round it (dynamic scales per row and `block_k` columns; 0 = the whole row). The lm_head (plain in
-    the quantized model too) keeps `block_k` None: x as it is."""
+    """The twin of an fp8 projection: the dequantized weight, and x rounded to e4m3 as the fp8 GEMM
+    rounds it (dynamic scales per row and `block_k` columns; 0 = the whole row) past MAX_FP8_GEMV_ROWS
+    rows; up to them (decode) the fp8 GEMV takes x as it is. The lm_head (plain in the quantized model
+    too) keeps `block_k` None: x as it is."""
 
     block_k: int | None = None
 
@@ -57,7 +60,7 @@ class Fp8ActivationLinear(DenseLinear):
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.block_k is not None:
+        if self.block_k is not None and x.shape[0] > MAX_FP8_GEMV_ROWS:
             block = self.block_k or x.shape[1]
             q, scale = quantize_fp8_groups(x, block)  # [T, K] e4m3, [T, K / block]
             x = (q.float() * scale.repeat_interleave(block, 1)[:, : x.shape[1]]).to(x.dtype)
@@ -212,3 +215,16 @@ def test_a_quantized_tensor_of_the_wrong_shape_is_an_error_naming_it(tmp_path):
     with pytest.raises(QuantizationConfigError) as error:
         load_model(folder, device="cpu")
     assert str(error.value) == f"quantization_config: {name}: expected [4, 128], got (4, 64)"
+
+
+def test_a_cpu_without_the_kernels_expands_the_packed_rows_at_load(tmp_path, monkeypatch, caplog):
+    """On a CPU outside the Triton interpreter (a user's laptop) the quantized kernels cannot run: the
+    packed rows are expanded into plain weights at load, the log says so, and the model answers as its
+    dequantized twin."""
+    folder, twin_folder = write_quantized("gptq", str(tmp_path))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with caplog.at_level(logging.WARNING, logger="inference_service.model.loader"):
+        loaded = load_model(folder, device="cpu")
+    assert not any(m.is_packed for m in projections(loaded.model))
+    assert "gptq weights expanded to float32 at load" in caplog.text
+    assert_matches_twin(loaded.model, load_model(twin_folder, device="cpu").model)
