@@ -8,6 +8,8 @@ Sections (results in `--out`/gpu_quant.json and gpu_quant.md; each runs even if 
   pass_b16   the same at batch 16 (the decode GEMV's last row count).
   pass_b256  batch 256 (the GEMM path): int4 and the others against bf16 (target: int4 no slower).
   memory     GPU memory of the int4 model's weights (packed projections + bf16 embeddings and lm_head).
+  crossover  1-16 rows: the decode kernels (quant_gemv, fp8_gemv) against the tensor-core paths
+             (quant_gemm, fp8 x fp8), all layers' projections of int4 / Q4_K / fp8: where to switch.
   sweep      batch-1 GEMV tiles for int4 and Q4_K over the four projection shapes (`--sweep`).
   twins      tiny GPTQ/AWQ/compressed-tensors/fp8 Llamas served vs their dequantized twins (fp32, bf16):
              first greedy divergence per prompt.
@@ -55,8 +57,9 @@ if ARGS.smoke:  # NOTE: before `kernels` (triton.jit) is imported
 import torch
 
 from kernels import gemv
-from kernels.fp8_gemm import Fp8Weight, fp8_linear
-from kernels.quant_gemm import quant_matmul
+from kernels.fp8_gemm import Fp8Weight, fp8_linear, fp8_quantized_matmul
+from kernels.fp8_gemv import fp8_gemv
+from kernels.quant_gemm import quant_gemm, quant_matmul
 from kernels.quant_gemv import quant_gemv
 from kernels.quant_layout import IntPackedWeight
 
@@ -251,6 +254,31 @@ def section_sweep(shapes: dict, results: dict) -> None:
     results["sweep"] = rows
 
 
+def section_crossover(shapes: dict, results: dict) -> None:
+    """The decode kernels against the tensor-core paths at 1-16 rows (all layers' projections of one
+    format, one CUDA graph): where `quant_matmul` and `fp8_linear` should switch from one to the other."""
+    rows_out = []
+    row_counts = (1, 2, 4, 8, 16) if not ARGS.smoke else (1, 2)
+    for fmt in ("int4_gptq_g128", "q4_k", "fp8_channel"):
+        layers = [random_weight(fmt, n, k) for _, n, k in shapes["projections"] for _ in range(shapes["num_layers"])]
+        is_fp8 = fmt.startswith("fp8")
+        decode = (lambda x, w: fp8_gemv(x, w.weight, w.scale, w.block_n, w.block_k)) if is_fp8 else quant_gemv
+        tensor_cores = fp8_quantized_matmul if is_fp8 else quant_gemm
+        for num_rows in row_counts:
+            inputs = {k: torch.randn(num_rows, k, device=DEVICE, dtype=BF16) for _, _, k in shapes["projections"]}
+            row = {"format": fmt, "rows": num_rows}
+            for name, fn in (("decode_ms", decode), ("tensor_core_ms", tensor_cores)):
+                try:
+                    row[name] = round(time_call(lambda fn=fn: [fn(inputs[w.shape[1]], w) for w in layers]) * 1e3, 3)
+                except Exception as exc:  # noqa: BLE001 - one path failing must not hide the other
+                    row[name] = f"{type(exc).__name__}: {exc}"[:200]
+            rows_out.append(row)
+            print(row, flush=True)
+        layers.clear()
+        free_memory()
+    results["crossover"] = rows_out
+
+
 def gemv_calls(x: torch.Tensor, ws: list[IntPackedWeight], block_n: int, block_k: int, num_warps: int):
     return lambda: [quant_gemv(x, w, block_n=block_n, block_k=block_k, num_warps=num_warps) for w in ws]
 
@@ -388,6 +416,11 @@ def markdown(results: dict) -> str:
                          f"{r['roofline_tok_s']} | {100 * r['ratio_to_roofline']:.0f}% | {r.get('speed_vs_bf16', '')} | "
                          f"{verdict} |")
         lines.append("")
+    if results.get("crossover"):
+        lines += ["## crossover (all layers' projections, ms)", "", "| format | rows | decode kernel | tensor cores |",
+                  "|---|---:|---:|---:|"]
+        lines += [f"| {r['format']} | {r['rows']} | {r['decode_ms']} | {r['tensor_core_ms']} |" for r in results["crossover"]]
+        lines.append("")
     for key in ("memory", "twins", "served"):
         if key in results:
             lines += [f"## {key}", "", "```", json.dumps(results[key], indent=1), "```", ""]
@@ -411,6 +444,7 @@ def main() -> None:
                 ("pass_b16", lambda: section_pass(shapes, results, "pass_b16", 16)),
                 ("pass_b256", lambda: section_pass(shapes, results, "pass_b256", 256 if not ARGS.smoke else 20)),
                 ("memory", lambda: section_memory(shapes, results)),
+                ("crossover", lambda: section_crossover(shapes, results)),
                 ("sweep", lambda: section_sweep(shapes, results) if ARGS.sweep else None),
                 ("twins", lambda: section_twins(results) if not ARGS.smoke else None),
                 ("served", lambda: section_served(results) if not ARGS.smoke else None)]

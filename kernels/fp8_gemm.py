@@ -181,11 +181,17 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
             f"residual: expected {[x.shape[0], n]}, got {None if residual is None else list(residual.shape)}")
     if x.shape[0] <= MAX_FP8_GEMV_ROWS:
         return fp8_gemv(x, w.weight, w.scale, w.block_n, w.block_k, bias, residual=residual)
+    y = fp8_quantized_matmul(x, w, bias)
+    return y if residual is None else y.add_(residual)
+
+
+def fp8_quantized_matmul(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The path past MAX_FP8_GEMV_ROWS rows (any row count): x quantized to e4m3 per row and block_k
+    columns, then cuBLASLt's `_scaled_mm` where it applies, else the Triton fp8 GEMM."""
+    n = w.shape[0]
     xq, x_scale = quantize_fp8_groups(x, w.block_k)
     if _can_scaled_mm(x, w):
         scale_b = w.scale.view(1, -1) if w.scale.numel() > 1 else w.scale.view(1, 1)
         scale_b = scale_b.expand(1, n).contiguous() if scale_b.shape[1] == 1 else scale_b
-        y = torch._scaled_mm(xq, w.weight.t(), scale_a=x_scale, scale_b=scale_b, bias=bias, out_dtype=x.dtype)
-    else:
-        y = fp8_gemm(xq, x_scale, w, bias, out_dtype=x.dtype)
-    return y if residual is None else y.add_(residual)
+        return torch._scaled_mm(xq, w.weight.t(), scale_a=x_scale, scale_b=scale_b, bias=bias, out_dtype=x.dtype)
+    return fp8_gemm(xq, x_scale, w, bias, out_dtype=x.dtype)

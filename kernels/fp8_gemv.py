@@ -1,4 +1,4 @@
-"""Weight-only fp8 skinny matmul for decode: y = x @ dequant(w).T with 1..4 rows of x.
+"""Weight-only fp8 matmul for batch-1 decode: y = x @ dequant(w).T with one row of x (it takes a few).
 
 At decode batch sizes an fp8 linear layer is bound by reading its e4m3 weight (half the bytes of
 bf16). `fp8_gemm` would first quantize the activations (a handful of small launches per layer, which
@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kernels._common import cast, is_interpreter, next_pow2, pdl_args, pdl_enter
 
-MAX_FP8_GEMV_ROWS = 4  # more rows go to the fp8 x fp8 GEMM (tensor cores)
+MAX_FP8_GEMV_ROWS = 1  # more rows go to the fp8 x fp8 GEMM, faster there (bench/gpu_quant.py --only crossover)
 
 
 @triton.jit
@@ -89,8 +89,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n
              bias: torch.Tensor | None = None, *, residual: torch.Tensor | None = None,
              out: torch.Tensor | None = None, tile_n: int | None = None, tile_k: int | None = None,
              num_warps: int | None = None) -> torch.Tensor:
-    """x [M, K] (M <= MAX_FP8_GEMV_ROWS) @ (weight * scale blocks).T + bias (+ residual) -> [M, N] in x's
-    dtype, fp32 accumulation. `weight` e4m3 [N, K], `scale` float32 per [block_n, block_k] block.
+    """x [M, K] (a few rows; `fp8_linear` sends up to MAX_FP8_GEMV_ROWS) @ (weight * scale blocks).T
+    + bias (+ residual) -> [M, N] in x's dtype, fp32 accumulation. `weight` e4m3 [N, K], `scale` float32 per [block_n, block_k] block.
     Arguments are checked by `fp8_linear`, the entry point."""
     num_rows, k = x.shape
     n = weight.shape[0]

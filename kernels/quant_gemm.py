@@ -28,7 +28,7 @@ from kernels._common import (
     require_inner_contiguous,
     require_same_device,
 )
-from kernels.quant_gemv import MAX_QUANT_GEMV_ROWS, quant_gemv
+from kernels.quant_gemv import MAX_QUANT_GEMV_ROWS, QUANT_GEMV_FASTER_ROWS, quant_gemv
 from kernels.quant_layout import IntPackedWeight, dequant_tile, kernel_args, tile_for
 
 
@@ -107,7 +107,7 @@ def quant_matmul(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None 
                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ dequant(w).T + bias -> [M, N] in x's dtype: the decode GEMV up to
-    MAX_QUANT_GEMV_ROWS rows, the tensor-core GEMM past it. Checks shapes, dtypes and devices.
+    QUANT_GEMV_FASTER_ROWS rows, the tensor-core GEMM past it. Checks shapes, dtypes and devices.
 
     The fused decoder's options (`gated`, `norm_weight`, `residual`: see `kernels.gemv`) are decode
     options: they take at most MAX_QUANT_GEMV_ROWS rows."""
@@ -129,6 +129,6 @@ def quant_matmul(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None 
                 f"out: expected [{x.shape[0]}, {n}] {x.dtype}, got {tuple(out.shape)} {out.dtype}")
         require_inner_contiguous("out", out)
     require_same_device(x=x, qs=w.qs, scales=w.scales)
-    if x.shape[0] <= MAX_QUANT_GEMV_ROWS:
+    if x.shape[0] <= QUANT_GEMV_FASTER_ROWS or is_fused:
         return quant_gemv(x, w, bias, gated=gated, norm_weight=norm_weight, eps=eps, residual=residual, out=out)
     return quant_gemm(x, w, bias, out=out)

@@ -30,7 +30,10 @@ import triton.language as tl
 from kernels._common import cast, is_interpreter, next_pow2, pdl_args, pdl_enter
 from kernels.quant_layout import IntPackedWeight, kernel_args, tile_for, tile_parts
 
-MAX_QUANT_GEMV_ROWS = 16  # more rows go to `quant_gemm` (tensor cores)
+MAX_QUANT_GEMV_ROWS = 16  # the most rows the kernel takes (the fused decoder options need it)
+# NOTE: past this many rows the tensor-core GEMM is faster even at decode sizes, so `quant_matmul`
+# sends only fused calls there (measured by `bench/gpu_quant.py --only crossover`).
+QUANT_GEMV_FASTER_ROWS = 2
 
 
 @triton.jit
