@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inference_service.cpu_kernels.quant import QuantizedWeight, dequantize_rows, quant_matmul
+from inference_service.cpu_kernels.quant import QuantizedWeight, QuantType, dequantize_rows, quant_matmul
 from inference_service.model.linear import DenseLinear
 
 # Above this many input rows a quantized layer expands its weight and runs one dense matmul: about where
@@ -65,6 +65,13 @@ class GGUFLinear(DenseLinear):
 
     def num_weight_bytes(self) -> int:
         return super().num_weight_bytes() + sum(weight.nbytes for _, weight in self.quantized)
+
+    def describe(self) -> dict | None:
+        if not self.quantized:
+            return None
+        bits = max(8 if weight.qtype is QuantType.Q8_0 else 4 for _, weight in self.quantized)
+        return {"format": "gguf " + "/".join(sorted({weight.qtype.name for _, weight in self.quantized})),
+                "bits": bits, "group_size": 32, "num_bytes": sum(weight.nbytes for _, weight in self.quantized)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.quantized:

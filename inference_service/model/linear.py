@@ -89,6 +89,10 @@ class LinearBase(nn.Module):
         """Bytes a forward reads: W in whatever form it is kept, and the bias."""
         raise NotImplementedError
 
+    def describe(self) -> dict | None:
+        """{"format", "bits", ...} of W where it is kept quantized; None where it is plain."""
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in_features] -> [N, out_features]."""
         raise NotImplementedError

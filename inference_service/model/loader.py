@@ -121,7 +121,7 @@ def load_model(path: str | None = None, *, device: str | torch.device = "cpu", d
         gpu_packed = quantized_weights and quantization is None and torch.device(device).type == "cuda"
         keep_quantized = quantized_weights and quantization is None and _can_execute_quantized(device, dtype)
         config, weights, tokenizer, name = _open_gguf(path, dtype, keep_quantized, gpu_packed)
-        label = "gguf" if gpu_packed else label
+        label = "gguf" if gpu_packed or keep_quantized else label
         spec = "gguf" if gpu_packed else None
     else:
         raise UnsupportedModelError(f"model path {path!r} is neither a .gguf file nor a folder")

@@ -62,7 +62,7 @@ def summarize_model(model: DecoderModel, quantization: str) -> QuantizationSumma
     """`quantization` ("none" when no projection is packed), the bits of the packed projections (16 when
     none), the weight bytes a step reads, and what the same weights take in 16 bits."""
     linears = [m for m in model.modules() if isinstance(m, LinearBase) and not _is_tied(m, model)]
-    described = [m.describe() for m in linears if isinstance(m, QuantizedLinear) and m.is_packed]
+    described = [d for d in (m.describe() for m in linears) if d is not None]
     counted = {id(p) for linear in linears for p in linear.parameters()}  # a tied lm_head: as the embedding
     unquantized = sum(m.out_features * m.in_features * 2 for m in linears)
     unquantized += sum(p.numel() * min(p.element_size(), 2) for p in model.parameters() if id(p) not in counted)

@@ -44,8 +44,8 @@ def test_engine_info_holds_the_built_sizes_and_limits(loaded):
     # 6 MiB of KV cache = 8 blocks of 16 tokens (720 KiB each) on the embedded model.
     assert engine.info() == EngineInfo(
         model=ModelInfo(name="facade-test", family="llama", architecture="LlamaForCausalLM", vocab_size=49152,
-                        model_path=loaded.model_path, dtype="float32", device="cpu", quantization="none",
-                        quantization_bits=16, weight_bytes=loaded.model.num_weight_bytes),
+                        model_path=loaded.model_path, dtype="float32", device="cpu", quantization="gguf",
+                        quantization_bits=4, weight_bytes=loaded.model.num_weight_bytes),
         max_model_len=512, max_seq_tokens=128, block_size=16, num_blocks=8, enable_prefix_caching=True,
         max_num_seqs=7, max_num_batched_tokens=300, max_waiting_requests=9, is_async_scheduling=False,
     )
