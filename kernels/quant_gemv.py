@@ -31,8 +31,8 @@ from kernels._common import cast, is_interpreter, next_pow2, pdl_args, pdl_enter
 from kernels.quant_layout import IntPackedWeight, kernel_args, tile_for, tile_parts
 
 MAX_QUANT_GEMV_ROWS = 16  # the most rows the kernel takes (the fused decoder options need it)
-# NOTE: past this many rows the tensor-core GEMM is faster even at decode sizes, so `quant_matmul`
-# sends only fused calls there (measured by `bench/gpu_quant.py --only crossover`).
+# NOTE: past this many rows the tensor-core GEMM is faster even at decode sizes, so past it
+# `quant_matmul` sends the GEMV only fused calls (measured by `bench/gpu_quant.py --only crossover`).
 QUANT_GEMV_FASTER_ROWS = 2
 
 
