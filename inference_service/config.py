@@ -118,10 +118,6 @@ class EngineConfig:
         if num_listed is not None and num_listed != self.tensor_parallel_size:
             raise ValueError(f"--device {self.device} names {num_listed} GPUs for --tensor-parallel-size "
                              f"{self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1:
-            # NOTE: the decode CUDA graphs would capture rank 0's step broadcasts with one step's sizes;
-            # until the workers capture and replay graphs of their own, tensor-parallel steps run eagerly.
-            self.enforce_eager = True
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.yarn_scaling_factor is not None and self.yarn_scaling_factor <= 1.0:

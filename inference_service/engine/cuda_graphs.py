@@ -9,14 +9,21 @@ a replay is: fill the buffers, `graph.replay()`, read `logits[:B]`. The graphs s
 The attention metadata captured with a graph is fixed: its host-side `max_seq_len` is the longest
 context a sequence may reach, so the Triton decode kernel's split count suits every later step
 (its trailing splits are empty on shorter contexts).
+
+Tensor parallelism: `announce(phase, size, metadata)` (the `DriverModel`'s `graph_step`) has the other
+ranks run the same phase of their own graph of that size, so each warm-up, capture and replay meets
+its collectives on every rank.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from enum import IntEnum
 
 import torch
 
@@ -41,29 +48,81 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     return [s for s in candidates if s < max_batch_size] + [max_batch_size]
 
 
+class GraphPhase(IntEnum):
+    WARMUP = 1  # an eager run: compiles and autotunes outside the capture
+    CAPTURE = 2
+    REPLAY = 3
+
+
+Announce = Callable[[GraphPhase, int, AttentionMetadata | None], AbstractContextManager]
+
+
+def _alone(phase: GraphPhase, size: int, metadata: AttentionMetadata | None) -> AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def new_graph_pool(device: torch.device):
+    """A memory pool a device's graphs share (None on the CPU)."""
+    return torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepGraph:
+    """One captured step: a CUDA graph on a GPU. On the CPU a stand-in whose replay runs the captured
+    body again over the same buffers, collectives included, so that the capture and replay protocol of
+    tensor-parallel ranks runs under gloo (tests); the engine captures nothing on the CPU itself."""
+
+    def __init__(self, device: torch.device, pool):
+        self.device, self.pool = device, pool
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._body: Callable[[], object] | None = None
+
+    def capture(self, body: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+        """Captures `body`; returns what it returned (on a GPU, the tensor each replay rewrites)."""
+        if self.device.type != "cuda":
+            self._body = body
+            return body()
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph, pool=self.pool):
+            return body()
+
+    def replay(self) -> None:
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._body()
+
+
 class DecodeGraphs:
     """Captured decode steps for `sizes` batch sizes over `inputs`' buffers."""
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
-                 inputs: StepInputs, sizes: list[int], max_seq_len: int, device: torch.device):
+                 inputs: StepInputs, sizes: list[int], max_seq_len: int, device: torch.device,
+                 announce: Announce | None = None):
         self.sizes = sorted(sizes)
         self.max_batch_size = self.sizes[-1]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, StepGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # batch size -> [size, vocab] float32 (what forward returned)
-        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
-        pool = None
+        self._announce = announce or _alone
+        is_cuda = device.type == "cuda"
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0] if is_cuda else 0
+        pool = new_graph_pool(device)
         for size in reversed(self.sizes):
             metadata = _padding_metadata(inputs, size, max_seq_len)
             input_ids, positions = inputs.input_ids.device[:size], inputs.positions.device[:size]
-            forward(input_ids, positions, metadata)  # warm-up: compiles and autotunes outside the capture
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = forward(input_ids, positions, metadata)
-            pool = graph.pool()
+            with self._announce(GraphPhase.WARMUP, size, metadata):
+                forward(input_ids, positions, metadata)
+                synchronize(device)
+            graph = StepGraph(device, pool)
+            with self._announce(GraphPhase.CAPTURE, size, metadata):
+                self.logits[size] = graph.capture(lambda ids=input_ids, pos=positions, md=metadata: forward(ids, pos, md))
             self.graphs[size] = graph
-        torch.cuda.synchronize(device)
-        self.memory_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+        synchronize(device)
+        self.memory_bytes = free_before - torch.cuda.mem_get_info(device)[0] if is_cuda else 0
         logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s, %.0f MiB", len(self.sizes),
                     self.sizes[0], self.max_batch_size, time.perf_counter() - start, self.memory_bytes / 2**20)
 
@@ -75,7 +134,8 @@ class DecodeGraphs:
 
     def replay(self, size: int) -> torch.Tensor:
         """Runs the graph of `size` over the buffers as they are now; its logits [size, vocab]."""
-        self.graphs[size].replay()
+        with self._announce(GraphPhase.REPLAY, size, None):
+            self.graphs[size].replay()
         return self.logits[size]
 
 

@@ -6,6 +6,7 @@ A step is two calls (vLLM's execute_model / sample_tokens split): `execute_model
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -27,6 +28,12 @@ from inference_service.engine.transfer import to_device
 from inference_service.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
+
+
+def uses_decode_graphs(device: torch.device, config: EngineConfig, attention_backend: str) -> bool:
+    """Whether decode steps replay CUDA graphs: on a GPU with the Triton backend (the torch backend reads
+    host-side lengths a graph would freeze), unless --enforce-eager."""
+    return device.type == "cuda" and not config.enforce_eager and attention_backend == "triton"
 
 
 @dataclass(slots=True)
@@ -90,8 +97,7 @@ class ModelRunner:
         backend = self.model.attention_backend
         # The model's own config: a tensor-parallel rank's holds its share of the KV heads.
         self.kv_spec = KVCacheSpec.build(self.model.config, config.cache, dtype, backend.name)
-        use_graphs = device.type == "cuda" and not config.enforce_eager and backend.name == "triton"
-        graph_batch = config.cuda_graph_batch_size if use_graphs else 0
+        graph_batch = config.cuda_graph_batch_size if uses_decode_graphs(device, config, backend.name) else 0
 
         reserve = 0
         if device.type == "cuda" and config.cache.kv_cache_memory_mib is None:
@@ -111,8 +117,11 @@ class ModelRunner:
         if graph_batch:
             vocab = loaded.config.vocab_size
             self._graph_logits = torch.empty((graph_batch, vocab), dtype=torch.float32, device=device)
+            # Tensor parallelism: the other ranks follow each graph's warm-up, capture and replay.
+            peers = getattr(self.model, "graph_step", None)
             self.graphs = DecodeGraphs(self._forward_into_graph_logits, self.inputs, capture_sizes(graph_batch),
-                                       self.max_seq_tokens, device)
+                                       self.max_seq_tokens, device,
+                                       announce=functools.partial(peers, self.kv_caches) if peers else None)
 
     @torch.inference_mode()
     def execute_model(self, scheduled: list[ScheduledSeq], in_flight: LaunchedStep | None = None) -> ForwardStep:
