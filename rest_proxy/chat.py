@@ -17,18 +17,41 @@ from inference_service.api import pb
 from rest_proxy.chat_state import ChoiceState
 from rest_proxy.engine_client import EngineClient, EngineRouter
 from rest_proxy.errors import ProxyError, invalid_request
-from rest_proxy.events import ChatDelta, ChatEvent, ChatFinish, PromptLogprobs, StreamUsage
+from rest_proxy.events import ChatDelta, ChatEvent, ChatFinish, McpCall, PromptLogprobs, StreamUsage
 from rest_proxy.metrics import ProxyMetrics
 from rest_proxy.protocol import ChatCompletionRequest, ChatMessageParam, FunctionCallParam, ToolCallParam
-from rest_proxy.reasoning import (PromptState, ReasoningFormat, ReasoningParser, answer_after_thinking, get_format,
-                                  prompt_state, select_format, text_state)
+from rest_proxy.reasoning import (
+    PromptState,
+    ReasoningFormat,
+    ReasoningParser,
+    answer_after_thinking,
+    get_format,
+    prompt_state,
+    select_format,
+    text_state,
+)
 from rest_proxy.schemas import check_json_schema, strict_schema
 from rest_proxy.sse import ChunkWriter, write_chunks
 from rest_proxy.tool_parsers import ToolParser, parser_for_model
-from rest_proxy.translate import (add_usage, chat_input, chat_logprobs, check_max_tokens, check_prompt_logprobs,
-                                  check_wire_safe, finish_reason, format_field, map_format_error, message_text,
-                                  sampling_params, set_request_options, stopping_criteria, system_fingerprint,
-                                  template_renders_tools, usage_dict, vllm_prompt_logprobs)
+from rest_proxy.translate import (
+    add_usage,
+    chat_input,
+    chat_logprobs,
+    check_max_tokens,
+    check_prompt_logprobs,
+    check_wire_safe,
+    finish_reason,
+    format_field,
+    map_format_error,
+    message_text,
+    sampling_params,
+    set_request_options,
+    stopping_criteria,
+    system_fingerprint,
+    template_renders_tools,
+    usage_dict,
+    vllm_prompt_logprobs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +209,7 @@ class ChatService:
 
     async def events(self, plan: ChatPlan) -> AsyncIterator[ChatEvent]:
         """The planned request's events, `StreamUsage` last; with MCP execution, across its rounds (only the
-        last round's finish, and no calls of MCP tools, reach the client)."""
+        last round's finish, no deltas of MCP tool calls, and an `McpCall` for each call the proxy ran)."""
         messages = plan.messages
         usage = None
         rounds = self.max_mcp_rounds if plan.execute_mcp else 1
@@ -237,7 +260,10 @@ class ChatService:
                         usage = add_usage(usage, usage_dict(resp.usage))
             state = states[0]
             if plan.execute_mcp and state.finish_reason == "tool_calls" and not last:
-                messages = messages + await self._run_mcp_calls(state)
+                calls, results = await self._run_mcp_calls(state)
+                for call in calls:
+                    yield call
+                messages = messages + results
                 continue
             if plan.execute_mcp:
                 if state.finish_reason == "tool_calls":
@@ -260,17 +286,20 @@ class ChatService:
             raise map_format_error(err, plan.format_param,
                                    detail=not plan.format_param.startswith("tools")) from None
 
-    async def _run_mcp_calls(self, state: ChoiceState) -> list[ChatMessageParam]:
+    async def _run_mcp_calls(self, state: ChoiceState) -> tuple[list[McpCall], list[ChatMessageParam]]:
+        """Runs the round's calls: their events, and the assistant turn and tool results the next round reads."""
         calls = state.calls
         assistant = ChatMessageParam(role="assistant", content=state.text or None, tool_calls=[
             ToolCallParam(id=c["id"], function=FunctionCallParam(name=c["function"]["name"],
                                                                  arguments=c["function"]["arguments"] or "{}"))
             for c in calls])
-        results = []
+        events, results = [], []
         for c in calls:
-            output = await self.mcp.call_tool(c["function"]["name"], c["function"]["arguments"])
-            results.append(ChatMessageParam(role="tool", tool_call_id=c["id"], content=output))
-        return [assistant, *results]
+            result = await self.mcp.call_tool(c["function"]["name"], c["function"]["arguments"])
+            events.append(McpCall(c["id"], result.server, result.tool, c["function"]["arguments"] or "{}",
+                                  result.text, result.is_error))
+            results.append(ChatMessageParam(role="tool", tool_call_id=c["id"], content=result.text))
+        return events, [assistant, *results]
 
     async def complete(self, plan: ChatPlan) -> dict:
         states = {i: ChoiceState(None, has_reasoning_field=plan.reasoning is not None) for i in range(plan.req.n)}
@@ -319,9 +348,11 @@ class _ChatChunks:
         self.started: set[int] = set()
         self.is_first_text = True
 
-    def __call__(self, event: ChatDelta | ChatFinish | PromptLogprobs) -> list[list[dict]]:
-        if isinstance(event, PromptLogprobs):
-            return []  # a stream asks for none but 0 (see `check_prompt_logprobs`)
+    def __call__(self, event: ChatDelta | ChatFinish | PromptLogprobs | McpCall) -> list[list[dict]]:
+        if isinstance(event, PromptLogprobs | McpCall):
+            # A stream asks for no prompt logprobs but 0 (see `check_prompt_logprobs`); the chat API has no
+            # place for the calls the proxy ran.
+            return []
         chunks = []
         if event.index not in self.started:
             self.started.add(event.index)

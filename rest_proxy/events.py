@@ -46,11 +46,24 @@ class PromptLogprobs:
 
 
 @dataclass(frozen=True, slots=True)
+class McpCall:
+    """A call of an MCP tool the proxy ran between rounds (chat completions do not show them; the
+    Responses API writes each as an `mcp_call` output item). `output` is what the model was given."""
+
+    call_id: str
+    server_label: str
+    name: str  # the tool's own name on its server
+    arguments: str  # JSON, as the model wrote it
+    output: str
+    is_error: bool
+
+
+@dataclass(frozen=True, slots=True)
 class StreamUsage:
     """The token counts of the whole request: always the last event."""
 
     usage: dict
 
 
-ChatEvent = ChatDelta | ChatFinish | PromptLogprobs | StreamUsage
+ChatEvent = ChatDelta | ChatFinish | PromptLogprobs | McpCall | StreamUsage
 CompletionEvent = TextDelta | PromptLogprobs | StreamUsage

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import re
+from dataclasses import dataclass
 
 import anyio
 import httpx2
@@ -23,6 +24,17 @@ from rest_proxy.metrics import ProxyMetrics
 log = logging.getLogger(__name__)
 SEPARATOR = "__"
 _INVALID = re.compile(r"[^A-Za-z0-9_-]")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """What one MCP tool call gave: `text` is what the model reads (on failure, the error described);
+    `server` is the server's name in mcp.json ("" for a tool that does not exist)."""
+
+    server: str
+    tool: str
+    text: str
+    is_error: bool = False
 
 
 def exposed_name(server: str, tool: str) -> str:
@@ -204,43 +216,42 @@ class McpManager:
         if self.metrics is not None:
             self.metrics.mcp_tool_calls.labels(server=server, tool=tool, outcome=outcome).inc()
 
-    async def call_tool(self, name: str, arguments_json: str) -> str:
-        """Run a call the model made; any failure is described in the returned text, for the model."""
+    async def call_tool(self, name: str, arguments_json: str) -> ToolResult:
+        """Run a call the model made; any failure is described in the result's text, for the model."""
         entry = self._index().get(name)
         if entry is None:
             self._count("", name, "unknown_tool")
-            return f"Error: there is no tool named {name!r}."
+            return ToolResult("", name, f"Error: there is no tool named {name!r}.", is_error=True)
         conn, tool = entry
+
+        def failed(outcome: str, text: str) -> ToolResult:
+            self._count(conn.name, tool.name, outcome)
+            return ToolResult(conn.name, tool.name, text, is_error=True)
+
         try:
             arguments = json.loads(arguments_json or "{}")
         except ValueError as err:
-            self._count(conn.name, tool.name, "bad_arguments")
-            return f"Error: the arguments are not valid JSON ({err})."
+            return failed("bad_arguments", f"Error: the arguments are not valid JSON ({err}).")
         if not isinstance(arguments, dict):
-            self._count(conn.name, tool.name, "bad_arguments")
-            return "Error: the arguments must be a JSON object."
+            return failed("bad_arguments", "Error: the arguments must be a JSON object.")
         client = conn.client
         if client is None:
-            self._count(conn.name, tool.name, "unavailable")
-            return f"Error: the tool server {conn.name!r} is unavailable."
+            return failed("unavailable", f"Error: the tool server {conn.name!r} is unavailable.")
         try:
             with anyio.fail_after(conn.config.timeout):
                 result = await client.call_tool(tool.name, arguments)
         except TimeoutError:
-            self._count(conn.name, tool.name, "timeout")
             conn._broken.set()
-            return f"Error: {name} timed out after {conn.config.timeout:g} s."
+            return failed("timeout", f"Error: {name} timed out after {conn.config.timeout:g} s.")
         except Exception as err:  # noqa: BLE001 - reported to the model, the proxy keeps going
-            self._count(conn.name, tool.name, "failed")
-            return f"Error: {name} failed: {_describe(err)}"
+            return failed("failed", f"Error: {name} failed: {_describe(err)}")
         text = "\n".join(_content_text(block) for block in result.content)
         if result.is_error:
-            self._count(conn.name, tool.name, "error")
-            return f"Error: {text}"
+            return failed("error", f"Error: {text}")
         self._count(conn.name, tool.name, "ok")
         if not text and getattr(result, "structured_content", None) is not None:
             text = json.dumps(result.structured_content)
-        return text
+        return ToolResult(conn.name, tool.name, text)
 
 
 def _content_text(block) -> str:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from rest_proxy.chat import ChatPlan, ChatService
 from rest_proxy.errors import ProxyError
-from rest_proxy.events import ChatDelta, ChatFinish, StreamUsage
+from rest_proxy.events import ChatDelta, ChatFinish, McpCall, StreamUsage
+from rest_proxy.mcp_manager import exposed_name
 from rest_proxy.metrics import ProxyMetrics
 from rest_proxy.protocol import ChatMessageParam, FunctionCallParam, ToolCallParam
 from rest_proxy.responses_output import ResponseBuilder, new_id
@@ -95,6 +96,10 @@ class ResponsesService:
                             for delta in event.deltas:
                                 for out in self._apply(builder, delta):
                                     yield out
+                        case McpCall():
+                            for out in builder.mcp_call(event.server_label, event.name, event.arguments,
+                                                        event.output, event.is_error):
+                                yield out
                         case ChatFinish():
                             reason = event.reason
                         case StreamUsage():
@@ -168,12 +173,28 @@ def _not_found(response_id: str) -> ProxyError:
 
 
 def _output_messages(output: list[dict]) -> list[ChatMessageParam]:
-    """A response's output as the assistant turn a follow-up continues from."""
+    """A response's output as the turns a follow-up continues from: the MCP calls the proxy ran (each an
+    assistant call and its tool result, in the model's own tool names), then the assistant's answer."""
+    turns = []
+    for item in output:
+        if item["type"] == "mcp_call":
+            name = exposed_name(item["server_label"], item["name"]) if item["server_label"] else item["name"]
+            call = ToolCallParam(id=item["id"], function=FunctionCallParam(name=name,
+                                                                           arguments=item["arguments"] or "{}"))
+            turns += [ChatMessageParam(role="assistant", content=None, tool_calls=[call]),
+                      ChatMessageParam(role="tool", tool_call_id=item["id"], content=_mcp_text(item))]
     text = "".join(part.get("text", "") for item in output if item["type"] == "message"
                    for part in item["content"] if part["type"] == "output_text")
     calls = [ToolCallParam(id=item["call_id"], function=FunctionCallParam(name=item["name"],
                                                                           arguments=item["arguments"] or "{}"))
              for item in output if item["type"] == "function_call"]
-    if not text and not calls:
-        return []
-    return [ChatMessageParam(role="assistant", content=text or None, tool_calls=calls or None)]
+    if text or calls:
+        turns.append(ChatMessageParam(role="assistant", content=text or None, tool_calls=calls or None))
+    return turns
+
+
+def _mcp_text(item: dict) -> str:
+    """What the model was given for an `mcp_call` item: its output, or its error's text."""
+    if item["error"] is None:
+        return item["output"] or ""
+    return "".join(block.get("text", "") for block in item["error"]["content"])

@@ -10,7 +10,11 @@ in output order; each content event names its item (`item_id`, `output_index`) a
         response.output_text.delta ...                      response.function_call_arguments.done
         response.output_text.done                         response.output_item.done
       response.content_part.done
-    response.output_item.done
+    response.output_item.done                             response.output_item.added (mcp_call)
+                                                            response.mcp_call.in_progress
+                                                            response.mcp_call_arguments.delta / .done
+                                                            response.mcp_call.completed | .failed
+                                                          response.output_item.done
     response.completed | response.incomplete (max_output_tokens) | response.failed
 """
 
@@ -98,6 +102,27 @@ class ResponseBuilder:
         item["arguments"] += delta
         return [self._event("response.function_call_arguments.delta", item_id=item["id"],
                             output_index=self._index(), delta=delta)]
+
+    def mcp_call(self, server_label: str, name: str, arguments: str, output: str, is_error: bool) -> list[dict]:
+        """An MCP tool call the proxy ran, whole: the item, its arguments and its outcome."""
+        events = self._close_item("completed")
+        item = {"id": new_id("mcp"), "type": "mcp_call", "server_label": server_label, "name": name,
+                "arguments": "", "output": None, "error": None, "status": "in_progress"}
+        events += self._add_item(item)
+        where = {"item_id": item["id"], "output_index": self._index()}
+        events.append(self._event("response.mcp_call.in_progress", **where))
+        item["arguments"] = arguments
+        events += [self._event("response.mcp_call_arguments.delta", **where, delta=arguments),
+                   self._event("response.mcp_call_arguments.done", **where, arguments=arguments)]
+        if is_error:  # the SDK's McpToolExecutionError; its content the MCP text block the model was given
+            item["error"] = {"type": "mcp_tool_execution_error", "content": [{"type": "text", "text": output}]}
+            events.append(self._event("response.mcp_call.failed", **where))
+            status = "failed"
+        else:
+            item["output"] = output
+            events.append(self._event("response.mcp_call.completed", **where))
+            status = "completed"
+        return events + self._close_item(status)
 
     # -- items and parts ------------------------------------------------------------------------------------
     def _write(self, kind: str, part_type: str, delta: str) -> list[dict]:

@@ -62,8 +62,8 @@ def build_ui_router(api_key: str | None) -> APIRouter:
             json.loads(call.arguments or "{}")
         except json.JSONDecodeError as err:
             raise invalid_request(f"arguments are not JSON: {err}", "arguments") from None
-        output = await mcp.call_tool(call.name, call.arguments or "{}")
-        return JSONResponse({"output": output[:MAX_TOOL_OUTPUT_CHARS]})
+        result = await mcp.call_tool(call.name, call.arguments or "{}")
+        return JSONResponse({"output": result.text[:MAX_TOOL_OUTPUT_CHARS]})
 
     return router
 

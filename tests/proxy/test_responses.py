@@ -179,9 +179,23 @@ def test_mcp_tool_runs_in_the_proxy(real_engine, model, tmp_path):
         kwargs = {"model": model, "input": "What is 2 plus 3? Use the tool.", "max_output_tokens": 40,
                   "temperature": 0, "tool_choice": {"type": "function", "name": "calc__add"}}
         resp = strict(client.responses.create(**kwargs))
-        assert [item.type for item in resp.output] == ["message"] and resp.output_text
+        assert [item.type for item in resp.output] == ["mcp_call", "message"] and resp.output_text
+        call = resp.output[0]
+        arguments = json.loads(call.arguments)
+        assert (call.server_label, call.name, call.status, call.error) == ("calc", "add", "completed", None)
+        assert call.output == str(arguments["a"] + arguments["b"])  # what the server computed
         with client.responses.stream(**kwargs) as stream:
-            assert stream.get_final_response().output_text == resp.output_text
+            types = [event.type for event in stream]
+            final = stream.get_final_response()
+        assert final.output_text == resp.output_text and final.output[0].output == call.output
+        start = types.index("response.mcp_call.in_progress")
+        assert types[start - 1:start + 5] == [
+            "response.output_item.added", "response.mcp_call.in_progress", "response.mcp_call_arguments.delta",
+            "response.mcp_call_arguments.done", "response.mcp_call.completed", "response.output_item.done"]
+        # A follow-up reads the call and its result from the stored response.
+        follow = client.responses.create(model=model, input="Say it again.", previous_response_id=resp.id,
+                                         max_output_tokens=8, temperature=0)
+        assert follow.status in ("completed", "incomplete")
         metrics = httpx.get(proxy.url + "/metrics").text
         assert 'rest_proxy_mcp_tool_calls_total{outcome="ok",server="calc",tool="add"} 2.0' in metrics
     finally:

@@ -19,6 +19,7 @@ from pydantic import TypeAdapter
 from rest_proxy.errors import ProxyError
 from rest_proxy.protocol import ChatMessageParam
 from rest_proxy.responses_output import ResponseBuilder
+from rest_proxy.responses import _output_messages
 from rest_proxy.responses_store import (
     MemoryResponseStore,
     SqliteResponseStore,
@@ -232,3 +233,26 @@ def test_builder_length_and_failure():
     assert events[-1]["response"]["error"] == {"code": "server_error", "message": "engine gone", "param": None,
                                                "type": "service_unavailable"}
     assert replay(events)._completed_response is None
+
+
+def test_builder_mcp_calls_and_the_turns_a_follow_up_reads():
+    b = ResponseBuilder(skeleton())
+    events = b.start() + b.mcp_call("calc", "add", '{"a": 2, "b": 3}', "5", is_error=False)
+    events += b.mcp_call("calc", "div", '{"a": 1, "b": 0}', "Error: division by zero", is_error=True)
+    events += b.text("It is 5.") + b.finish("stop", None)
+    response = Response.model_validate(replay(events)._completed_response.to_dict())
+    assert [item.type for item in response.output] == ["mcp_call", "mcp_call", "message"]
+    ok, failed, _ = response.output
+    assert (ok.server_label, ok.name, ok.arguments, ok.output, ok.error, ok.status) == (
+        "calc", "add", '{"a": 2, "b": 3}', "5", None, "completed")
+    assert (failed.output, failed.status, failed.error.type) == (None, "failed", "mcp_tool_execution_error")
+    assert [e["type"] for e in events if "mcp_call." in e["type"]] == [
+        "response.mcp_call.in_progress", "response.mcp_call.completed",
+        "response.mcp_call.in_progress", "response.mcp_call.failed"]
+    # Stored, the calls come back as the model's own tool names and results, ahead of the answer.
+    turns = _output_messages(b.response["output"])
+    assert [(t.role, t.content) for t in turns] == [
+        ("assistant", None), ("tool", "5"), ("assistant", None), ("tool", "Error: division by zero"),
+        ("assistant", "It is 5.")]
+    assert [t.tool_calls[0].function.name for t in turns if t.tool_calls] == ["calc__add", "calc__div"]
+    assert turns[1].tool_call_id == turns[0].tool_calls[0].id == ok.id
