@@ -40,17 +40,19 @@ def main() -> None:
         touched = ids.unique().numel()
         bound_us = touched * 3 * H * I * 2 / bw * 1e6
         results = []
-        for bm, bn, bk, nw in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4, 8)):
+        gemm_configs = itertools.product((False,), (16, 32, 64), (32, 64, 128), (64, 128), (4, 8))
+        gemv_configs = itertools.product((True,), (0,), (8, 16, 32), (128, 256, 512), (2, 4, 8))
+        for gemv, bm, bn, bk, nw in itertools.chain(gemm_configs, gemv_configs):
             try:
-                us = _graph_us(functools.partial(fused_moe, x, w13, w2, weights, ids, block_m=bm, block_n=bn,
-                                                 block_k=bk, num_warps=nw))
+                us = _graph_us(functools.partial(fused_moe, x, w13, w2, weights, ids, block_m=bm or None,
+                                                 block_n=bn, block_k=bk, num_warps=nw, use_gemv=gemv))
             except Exception:  # noqa: BLE001 - a config that does not fit
                 continue
-            results.append((us, bm, bn, bk, nw))
+            results.append((us, "gemv" if gemv else f"gemm bm{bm}", bn, bk, nw))
         results.sort()
         default = _graph_us(functools.partial(fused_moe, x, w13, w2, weights, ids))
         print(f"tokens {tokens}: experts touched {touched}, bound {bound_us:.1f} us, default {default:.1f} us, "
-              f"best {[f'{r[0]:.1f}us bm{r[1]} bn{r[2]} bk{r[3]} w{r[4]}' for r in results[:4]]}", flush=True)
+              f"best {[f'{r[0]:.1f}us {r[1]} bn{r[2]} bk{r[3]} w{r[4]}' for r in results[:6]]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,11 @@ Each program of a GEMM takes one BLOCK_M block of sorted pairs (one expert) and 
 output columns, so every weight tile is read once per block of tokens that chose the expert. The
 alignment is computed on the device with a fixed upper bound on its size (no host sync: CUDA-graph
 capturable); blocks past the last expert's are marked with expert E and return at once.
+
+Decode steps have few pairs, nearly all on different experts: there the alignment's small device ops and
+BLOCK_M rows of mostly padding cost more than the weights they read. With at most `decode_max_pairs` pairs
+both projections run as GEMVs instead, one program a (pair, BLOCK_N tile), each reading its expert's
+rows straight from `topk_ids` (no sort, no padding).
 """
 
 from __future__ import annotations
@@ -95,6 +100,57 @@ def _moe_gemm_kernel(
     tl.store(out_ptr + out_offs, cast(acc, out_ptr.dtype.element_ty), mask=is_row[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _moe_gemv_kernel(
+    a_ptr,  # GATED: x [T, K] (row = pair // TOP_K); else h [T * k, K] (row = pair)
+    w_ptr,  # [E, N_W, K] as in _moe_gemm_kernel
+    out_ptr,  # [T * k, N]
+    pair_weight_ptr,  # [T * k] float32 router weights (read when WEIGHTED)
+    expert_ids_ptr,  # [T * k] the pairs' experts (topk_ids flattened)
+    N,
+    K,
+    stride_a,
+    stride_we,
+    stride_wn,
+    stride_o,
+    TOP_K: tl.constexpr,
+    GATED: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
+    row = (pair // TOP_K) if GATED else pair
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_row = a_ptr + row.to(tl.int64) * stride_a
+    w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        a = tl.load(a_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # [1, BK]
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + (k0 + offs_k)[None, :], mask=w_mask, other=0.0)  # [BN, BK]
+        acc += tl.sum(w.to(tl.float32) * a, axis=1)
+        if GATED:
+            w_up = tl.load(w_rows + N * stride_wn + (k0 + offs_k)[None, :], mask=w_mask, other=0.0)
+            acc_up += tl.sum(w_up.to(tl.float32) * a, axis=1)
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if WEIGHTED:
+        acc = acc * tl.load(pair_weight_ptr + pair)
+    tl.store(out_ptr + pair.to(tl.int64) * stride_o + offs_n, cast(acc, out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def decode_max_pairs(num_experts: int, top_k: int) -> int:
+    """The most (token, expert) pairs `fused_moe` runs as GEMVs: while pairs are at most half the experts
+    (or one token's), few experts get two, so reading an expert's rows once per pair costs little."""
+    return max(num_experts // 2, top_k)
+
+
 def align_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (sorted_pairs [max_padded] int32, block_expert [max_padded // block_m] int32).
 
@@ -133,10 +189,12 @@ def fused_moe(
     block_n: int | None = None,
     block_k: int | None = None,
     num_warps: int = 4,
+    use_gemv: bool | None = None,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j] -> [T, H] in
     x's dtype. The intermediate activations are rounded to x's dtype (as the per-expert loop in that
-    dtype rounds them); accumulation is fp32. The block sizes default by the number of pairs."""
+    dtype rounds them); accumulation is fp32. The block sizes default by the number of pairs; `use_gemv`
+    (default: at most `decode_max_pairs` pairs) runs the per-pair GEMVs instead of the grouped GEMMs."""
     require(x.dim() == 2, f"x: expected [T, H], got {tuple(x.shape)}")
     num_tokens, hidden = x.shape
     require(gate_up_proj.dim() == 3 and gate_up_proj.shape[1] % 2 == 0,
@@ -160,12 +218,15 @@ def fused_moe(
     if num_tokens == 0:
         return out
     num_pairs = num_tokens * top_k
-    # NOTE: few pairs per expert at decode: a small BLOCK_M wastes less of each block on padding.
-    block_m = block_m or (16 if num_pairs <= 4 * num_experts else 32)
-    sorted_pairs, block_expert = align_pairs_by_expert(topk_ids, num_experts, block_m)
     pair_weights = topk_weights.reshape(-1).to(torch.float32)
     h = torch.empty((num_pairs, intermediate), dtype=x.dtype, device=x.device)
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    if use_gemv if use_gemv is not None else num_pairs <= decode_max_pairs(num_experts, top_k):
+        _gemv_pairs(x, gate_up_proj, down_proj, h, y, pair_weights, topk_ids, top_k, block_n, block_k, num_warps)
+        return torch.sum(y.view(num_tokens, top_k, hidden), dim=1, out=out)
+    # NOTE: few pairs per expert at decode: a small BLOCK_M wastes less of each block on padding.
+    block_m = block_m or (16 if num_pairs <= 4 * num_experts else 32)
+    sorted_pairs, block_expert = align_pairs_by_expert(topk_ids, num_experts, block_m)
     common = dict(NUM_EXPERTS=num_experts, TOP_K=top_k, BLOCK_M=block_m, DOT_PREC=dot_precision(x.dtype),
                   UPCAST=dot_upcast(), **({} if is_interpreter() else {"num_warps": num_warps}))
     if is_interpreter():
@@ -181,6 +242,23 @@ def fused_moe(
                                a.stride(0), w.stride(0), w.stride(1), o.stride(0),
                                GATED=gated, WEIGHTED=not gated, BLOCK_N=block_n, BLOCK_K=block_k, **common)
     return torch.sum(y.view(num_tokens, top_k, hidden), dim=1, out=out)
+
+
+def _gemv_pairs(x, gate_up_proj, down_proj, h, y, pair_weights, topk_ids, top_k, block_n, block_k,
+                num_warps) -> None:
+    """h = the gated MLP input of every pair, y = its weighted down projection: one program a (pair, tile)."""
+    ids = topk_ids.reshape(-1)
+    if is_interpreter():
+        block_n, block_k, extra = block_n or 16, block_k or 32, {}
+    else:
+        block_n, block_k, extra = block_n or 16, block_k or 256, {"num_warps": num_warps}
+    intermediate, hidden = h.shape[1], y.shape[1]
+    for a, w, o, n, k, gated in ((x, gate_up_proj, h, intermediate, hidden, True),
+                                 (h, down_proj, y, hidden, intermediate, False)):
+        grid = (ids.shape[0], triton.cdiv(n, block_n))
+        _moe_gemv_kernel[grid](a, w, o, pair_weights, ids, n, k, a.stride(0), w.stride(0), w.stride(1), o.stride(0),
+                               TOP_K=top_k, GATED=gated, WEIGHTED=not gated, BLOCK_N=block_n, BLOCK_K=block_k,
+                               **extra)
 
 
 def fused_moe_ref(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,

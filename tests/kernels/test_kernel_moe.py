@@ -12,6 +12,7 @@ from kernel_testlib import DEVICE, DTYPE_IDS, ON_GPU, TOL, rel_err
 
 from inference_service.model.moe import experts_forward
 from kernels import align_pairs_by_expert, fused_moe, fused_moe_ref
+from kernels.moe import decode_max_pairs
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # (tokens, hidden, intermediate, experts, top_k)
@@ -50,6 +51,22 @@ def test_fused_moe_matches_per_expert_loop(shape, dtype):
         torch.testing.assert_close(out.cpu(), loop, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("use_gemv", [True, False], ids=["gemv", "gemm"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
+def test_fused_moe_gemv_and_gemm_paths_match_the_loop(shape, use_gemv):
+    """Either path at any number of pairs (the default picks the GEMVs up to `decode_max_pairs`)."""
+    for dtype in (F32, BF16):
+        x, w13, w2, weights, ids = _case(shape, dtype)
+        out = fused_moe(x, w13, w2, weights, ids, use_gemv=use_gemv)
+        assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) <= TOL[dtype], dtype
+
+
+def test_fused_moe_picks_the_gemvs_for_decode_sized_batches():
+    assert decode_max_pairs(128, 8) == 64 and decode_max_pairs(8, 2) == 4
+    x, w13, w2, weights, ids = _case((2, 40, 24, 8, 2), F32)  # 4 pairs: GEMVs by default
+    assert torch.equal(fused_moe(x, w13, w2, weights, ids), fused_moe(x, w13, w2, weights, ids, use_gemv=True))
+
+
 def test_fused_moe_block_sizes_agree():
     x, w13, w2, weights, ids = _case((9, 40, 24, 4, 2), F32)
     expected = fused_moe_ref(x, w13, w2, weights, ids)
@@ -81,13 +98,14 @@ def test_fused_moe_checks():
 def test_fused_moe_is_cuda_graph_capturable():
     """The decode step is captured in a CUDA graph: routing alignment and both GEMMs must not sync
     with the host. Replayed on new routing, the graph gives the eager result."""
-    x, w13, w2, weights, ids = _case((4, 64, 32, 8, 2), BF16)
-    fused_moe(x, w13, w2, weights, ids)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_moe(x, w13, w2, weights, ids)
-    new_weights, new_ids = _routing(4, 8, 2, torch.Generator().manual_seed(5))
-    weights.copy_(new_weights.to(BF16))
-    ids.copy_(new_ids)
-    graph.replay()
-    assert torch.equal(out, fused_moe(x, w13, w2, weights, ids))
+    for num_tokens in (2, 4):  # 4 pairs: the GEMVs; 8: the grouped GEMMs
+        x, w13, w2, weights, ids = _case((num_tokens, 64, 32, 8, 2), BF16)
+        fused_moe(x, w13, w2, weights, ids)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_moe(x, w13, w2, weights, ids)
+        new_weights, new_ids = _routing(num_tokens, 8, 2, torch.Generator().manual_seed(5))
+        weights.copy_(new_weights.to(BF16))
+        ids.copy_(new_ids)
+        graph.replay()
+        assert torch.equal(out, fused_moe(x, w13, w2, weights, ids))
