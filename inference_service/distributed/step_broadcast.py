@@ -179,9 +179,9 @@ class WorkerLoop:
         metadata = AttentionMetadata.from_step(
             slot_mapping=slots, query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
             query_start_loc_cpu=query_start_loc.tolist(), seq_lens_cpu=seq_lens.tolist(), max_seq_len=h.max_seq_len)
-        self.model(input_ids, positions, self._cache(h), metadata)
+        self.model(input_ids, positions, self.cache_for(h), metadata)
 
-    def _cache(self, h: StepHeader) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def cache_for(self, h: StepHeader) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's twin of rank 0's cache `h.cache_key`: its own KV heads, the same blocks."""
         caches = self._caches.get(h.cache_key)
         shape = self.model.kv_cache_shape(h.num_blocks, h.block_size)
@@ -214,7 +214,7 @@ class WorkerGraphs:
         if phase == GraphPhase.REPLAY:
             self.graphs[size].replay()
             return
-        caches = self.loop._cache(h)  # before any capture: a new cache is never allocated inside one
+        caches = self.loop.cache_for(h)  # before any capture: a new cache is never allocated inside one
         metadata = AttentionMetadata.for_decode_capture(
             slot_mapping=self.slots[:size], query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], max_seq_len=h.max_seq_len)
