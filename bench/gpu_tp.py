@@ -23,6 +23,7 @@ import time
 import traceback
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(BENCH))  # the repository: `python bench/gpu_tp.py` from anywhere, and its children
 CONFIGS = os.path.join(BENCH, "configs")
 H200_BYTES_PER_S = 4.8e12  # HBM3e peak
 H200_BF16_FLOPS = 989e12  # dense
