@@ -20,38 +20,15 @@ from rest_proxy.errors import ProxyError, invalid_request
 from rest_proxy.events import ChatDelta, ChatEvent, ChatFinish, McpCall, PromptLogprobs, StreamUsage
 from rest_proxy.metrics import ProxyMetrics
 from rest_proxy.protocol import ChatCompletionRequest, ChatMessageParam, FunctionCallParam, ToolCallParam
-from rest_proxy.reasoning import (
-    PromptState,
-    ReasoningFormat,
-    ReasoningParser,
-    answer_after_thinking,
-    get_format,
-    prompt_state,
-    select_format,
-    text_state,
-)
+from rest_proxy.reasoning import (PromptState, ReasoningFormat, ReasoningParser, answer_after_thinking, get_format,
+                                  prompt_state, select_format, text_state)
 from rest_proxy.schemas import check_json_schema, strict_schema
 from rest_proxy.sse import ChunkWriter, write_chunks
 from rest_proxy.tool_parsers import ToolParser, parser_for_model
-from rest_proxy.translate import (
-    add_usage,
-    chat_input,
-    chat_logprobs,
-    check_max_tokens,
-    check_prompt_logprobs,
-    check_wire_safe,
-    finish_reason,
-    format_field,
-    map_format_error,
-    message_text,
-    sampling_params,
-    set_request_options,
-    stopping_criteria,
-    system_fingerprint,
-    template_renders_tools,
-    usage_dict,
-    vllm_prompt_logprobs,
-)
+from rest_proxy.translate import (add_usage, chat_input, chat_logprobs, check_max_tokens, check_prompt_logprobs,
+                                  check_wire_safe, finish_reason, format_field, map_format_error, message_text,
+                                  sampling_params, set_request_options, stopping_criteria, system_fingerprint,
+                                  template_renders_tools, usage_dict, vllm_prompt_logprobs)
 
 log = logging.getLogger(__name__)
 
@@ -296,8 +273,8 @@ class ChatService:
         events, results = [], []
         for c in calls:
             result = await self.mcp.call_tool(c["function"]["name"], c["function"]["arguments"])
-            events.append(McpCall(c["id"], result.server, result.tool, c["function"]["arguments"] or "{}",
-                                  result.text, result.is_error))
+            events.append(McpCall(result.server, result.tool, c["function"]["arguments"] or "{}", result.text,
+                                  result.is_error))
             results.append(ChatMessageParam(role="tool", tool_call_id=c["id"], content=result.text))
         return events, [assistant, *results]
 
@@ -312,7 +289,7 @@ class ChatService:
                     case PromptLogprobs(entries=entries):
                         prompt_lps = entries
                     case ChatDelta():
-                        _accumulate(states[event.index], event.deltas, event.logprobs)
+                        states[event.index].add_deltas(event.deltas, event.logprobs)
                     case ChatFinish():
                         reasons[event.index] = event.reason
                     case StreamUsage():
@@ -381,24 +358,6 @@ def _echo_text(plan: ChatPlan) -> str | None:
     if not plan.req.echo or not plan.messages or plan.messages[-1].role != "assistant":
         return None
     return message_text(plan.messages[-1], len(plan.messages) - 1) or None
-
-
-def _accumulate(state: ChoiceState, deltas: list[dict], lps: list[dict] | None) -> None:
-    for d in deltas:
-        if "content" in d:
-            state.content.append(d["content"])
-        if "reasoning_content" in d:
-            state.reasoning.append(d["reasoning_content"])
-        if "refusal" in d:
-            state.refusal = d["refusal"]
-        for tc in d.get("tool_calls", []):
-            if "id" in tc:
-                state.calls.append({"id": tc["id"], "type": "function",
-                                    "function": {"name": tc["function"]["name"], "arguments": ""}})
-            else:
-                state.calls[tc["index"]]["function"]["arguments"] += tc["function"]["arguments"]
-    if lps:
-        state.logprobs += lps
 
 
 def _tool_schemas(req: ChatCompletionRequest, forced: str | None) -> tuple[dict[str, dict | None], set[str]]:

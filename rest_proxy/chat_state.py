@@ -75,6 +75,24 @@ class ChoiceState:
         self.finish_reason = reason
         return reason
 
+    def add_deltas(self, deltas: list[dict], lps: list[dict] | None) -> None:
+        """Adds up a stream's deltas (as `feed` made them) into the choice a non-streaming answer returns."""
+        for d in deltas:
+            if "content" in d:
+                self.content.append(d["content"])
+            if "reasoning_content" in d:
+                self.reasoning.append(d["reasoning_content"])
+            if "refusal" in d:
+                self.refusal = d["refusal"]
+            for tc in d.get("tool_calls", []):
+                if "id" in tc:
+                    self.calls.append({"id": tc["id"], "type": "function",
+                                       "function": {"name": tc["function"]["name"], "arguments": ""}})
+                else:
+                    self.calls[tc["index"]]["function"]["arguments"] += tc["function"]["arguments"]
+        if lps:
+            self.logprobs += lps
+
     @property
     def text(self) -> str:
         return "".join(self.content)

@@ -50,7 +50,6 @@ class McpCall:
     """A call of an MCP tool the proxy ran between rounds (chat completions do not show them; the
     Responses API writes each as an `mcp_call` output item). `output` is what the model was given."""
 
-    call_id: str
     server_label: str
     name: str  # the tool's own name on its server
     arguments: str  # JSON, as the model wrote it
