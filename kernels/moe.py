@@ -248,10 +248,8 @@ def _gemv_pairs(x, gate_up_proj, down_proj, h, y, pair_weights, topk_ids, top_k,
                 num_warps) -> None:
     """h = the gated MLP input of every pair, y = its weighted down projection: one program a (pair, tile)."""
     ids = topk_ids.reshape(-1)
-    if is_interpreter():
-        block_n, block_k, extra = block_n or 16, block_k or 32, {}
-    else:
-        block_n, block_k, extra = block_n or 16, block_k or 256, {"num_warps": num_warps}
+    block_n, block_k = block_n or 16, block_k or (32 if is_interpreter() else 256)
+    extra = {} if is_interpreter() else {"num_warps": num_warps}
     intermediate, hidden = h.shape[1], y.shape[1]
     for a, w, o, n, k, gated in ((x, gate_up_proj, h, intermediate, hidden, True),
                                  (h, down_proj, y, hidden, intermediate, False)):
