@@ -1,8 +1,11 @@
 """Tensor parallelism's "Done when" (issue 22): one command, each case in a fresh process.
 
     tp1_8b / tp2_8b   Llama-3-8B bf16, dummy weights, batch 1 decode tok/s at TP1 and TP2 (goal: TP2 >= 1.6x TP1)
+    tp2_8b_nccl       the same TP2 with --disable-custom-all-reduce: every all-reduce through NCCL (and its tokens
+                      beside tp2_8b's: the symmetric-memory sums must not change the greedy output)
     tp2_70b           Llama-3-70B bf16 TP2 batch 1 decode tok/s (goal >= 45) and the weight-bandwidth roofline
-    allreduce         time of one decode step's all-reduces (2 a layer + the embedding's, [1, hidden] bf16)
+    allreduce         time of one decode step's all-reduces (2 a layer + the embedding's, [1, hidden] bf16): NCCL
+                      and the engine's path, eager and replayed from a CUDA graph
     offline_70b       Llama-3-70B TP2, fp8 KV: N x (1000 in, 1000 out) tok/s and its ratio to the compute bound
 
 Usage: python bench/gpu_tp.py --out DIR [--only a,b] [--offline-requests 1000]
@@ -30,7 +33,7 @@ H200_BF16_FLOPS = 989e12  # dense
 TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
                "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                "vocab_size": 512, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
-SECTIONS = ("tp1_8b", "tp2_8b", "tp2_70b", "allreduce", "offline_70b")
+SECTIONS = ("tp1_8b", "tp2_8b", "tp2_8b_nccl", "tp2_70b", "allreduce", "offline_70b")
 
 
 def case_specs(smoke: bool, offline_requests: int) -> dict[str, dict]:
@@ -39,12 +42,14 @@ def case_specs(smoke: bool, offline_requests: int) -> dict[str, dict]:
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(TINY_CONFIG, f)
         common = {"model": folder, "device": "cpu", "dtype": "float32", "new_tokens": 8}
-        return {"tp1_8b": {**common, "tp": 1}, "tp2_8b": {**common, "tp": 2}, "tp2_70b": {**common, "tp": 2},
+        return {"tp1_8b": {**common, "tp": 1}, "tp2_8b": {**common, "tp": 2},
+                "tp2_8b_nccl": {**common, "tp": 2, "custom_all_reduce": False}, "tp2_70b": {**common, "tp": 2},
                 "allreduce": {**common, "tp": 2, "hidden": 128, "layers": 2},
                 "offline_70b": {**common, "tp": 2, "requests": 4, "input": 16, "output": 16, "kv": "auto"}}
     llama8, llama70 = os.path.join(CONFIGS, "llama-3-8b"), os.path.join(CONFIGS, "llama-3-70b")
     common = {"device": "cuda", "dtype": "bfloat16", "new_tokens": 256}
     return {"tp1_8b": {**common, "model": llama8, "tp": 1}, "tp2_8b": {**common, "model": llama8, "tp": 2},
+            "tp2_8b_nccl": {**common, "model": llama8, "tp": 2, "custom_all_reduce": False},
             "tp2_70b": {**common, "model": llama70, "tp": 2},
             "allreduce": {**common, "model": llama70, "tp": 2, "hidden": 8192, "layers": 80},
             "offline_70b": {**common, "model": llama70, "tp": 2, "requests": offline_requests, "input": 1000,
@@ -62,6 +67,7 @@ def _engine(spec: dict, kv_cache_dtype: str = "auto", max_num_seqs: int = 1):
 
     config = EngineConfig(model=spec["model"], device=spec["device"], dtype=spec["dtype"], load_format="dummy",
                           tensor_parallel_size=spec["tp"],
+                          disable_custom_all_reduce=not spec.get("custom_all_reduce", True),
                           cache=CacheConfig(kv_cache_memory_mib=64 if spec["device"] == "cpu" else None,
                                             kv_cache_dtype=kv_cache_dtype),
                           scheduler=SchedulerConfig(max_num_seqs=max_num_seqs))
@@ -92,7 +98,7 @@ def run_decode(spec: dict) -> dict:
         decode_s = (t2 - t1) - (t1 - t0)
         num = len(out[0].completions[0].token_ids) - 1
         weight_bytes = engine.loaded.model.num_weight_bytes
-        return {"tok_s": num / decode_s, "decode_tokens": num,
+        return {"tok_s": num / decode_s, "decode_tokens": num, "first_tokens": out[0].completions[0].token_ids[:32],
                 "weight_bytes_per_rank": weight_bytes,
                 "roofline_tok_s": H200_BYTES_PER_S / weight_bytes if spec["device"] == "cuda" else None}
     finally:
@@ -128,30 +134,56 @@ def run_offline(spec: dict) -> dict:
         _stop(engine)
 
 
+def _time_all_reduces(reduce, x, per_step: int, use_graph: bool) -> float:
+    """ms for one step's `per_step` all-reduces of `x`, eagerly or replayed from one CUDA graph."""
+    import torch
+
+    def step():
+        for _ in range(per_step):
+            reduce(x)
+
+    for _ in range(3):
+        step()
+    run = step
+    if use_graph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        run = graph.replay
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    num_steps = 20
+    t0 = time.perf_counter()
+    for _ in range(num_steps):
+        run()
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / num_steps * 1e3
+
+
 def _allreduce_rank(rank: int, spec: dict, init_method: str, out_file: str) -> None:
     import torch
+    import torch.distributed as dist
 
     from inference_service.distributed.group import destroy_group, init_group
 
     device = torch.device("cuda", rank) if spec["device"] == "cuda" else torch.device("cpu")
     group = init_group(rank, spec["tp"], init_method, device)
     dtype = torch.bfloat16 if spec["device"] == "cuda" else torch.float32
-    x = torch.ones(1, spec["hidden"], dtype=dtype, device=device)
+    x = torch.full((1, spec["hidden"]), float(rank + 1), dtype=dtype, device=device)
     per_step = 2 * spec["layers"] + 1
-    for _ in range(50):
-        group.all_reduce(x)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    num_steps = 20
-    for _ in range(num_steps * per_step):
-        group.all_reduce(x)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    expected = sum(range(1, spec["tp"] + 1))
+    result = {"allreduces_per_step": per_step, "message_bytes": x.numel() * x.element_size(),
+              "symmetric_memory": group.symmetric is not None,
+              "sum_ok": bool((group.all_reduce(x.clone()) == expected).all())}
+    ways = {"nccl": lambda t: dist.all_reduce(t), "engine": group.all_reduce}
+    for name, reduce in ways.items():
+        result[f"{name}_eager_ms_per_step"] = _time_all_reduces(reduce, x.clone(), per_step, use_graph=False)
+        if device.type == "cuda":
+            result[f"{name}_graph_ms_per_step"] = _time_all_reduces(reduce, x.clone(), per_step, use_graph=True)
     if rank == 0:
         with open(out_file, "w") as f:
-            json.dump({"allreduce_ms_per_step": (time.perf_counter() - t0) / num_steps * 1e3,
-                       "allreduces_per_step": per_step}, f)
+            json.dump(result, f)
     destroy_group()
 
 
@@ -211,6 +243,8 @@ def main() -> None:
         print(f"{name}: {results[name]}", flush=True)
     if "tp1_8b" in results and "tp2_8b" in results and "tok_s" in results["tp1_8b"] and "tok_s" in results["tp2_8b"]:
         results["tp2_over_tp1_8b"] = results["tp2_8b"]["tok_s"] / results["tp1_8b"]["tok_s"]
+    if "first_tokens" in results.get("tp2_8b", {}) and "first_tokens" in results.get("tp2_8b_nccl", {}):
+        results["tp2_8b_same_tokens_as_nccl"] = results["tp2_8b"]["first_tokens"] == results["tp2_8b_nccl"]["first_tokens"]
     with open(os.path.join(args.out, "gpu_tp.json"), "w") as f:
         json.dump(results, f, indent=2)
     print(json.dumps(results, indent=2))

@@ -59,6 +59,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N devices, one process each (rank 0 serves; NCCL on GPUs, "
                         "gloo on the CPU); --device cuda takes GPUs 0..N-1, --device cuda:2,3 those")
+    m.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="with --tensor-parallel-size > 1 on GPUs: every all-reduce through NCCL (by default a "
+                        "decode step's small ones go through PyTorch symmetric memory over NVLink)")
     m.add_argument("--dequantize", action="store_true",
                    help="expand a GGUF's Q4_0/Q4_1/Q8_0 weights to --dtype at load; by default they stay in their "
                         "blocks on a CPU and run in place (a fifth to a quarter of the memory read per token)")
@@ -196,6 +199,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         async_scheduling=args.async_scheduling,
         chat_template=args.chat_template,
         tensor_parallel_size=args.tensor_parallel_size,
+        disable_custom_all_reduce=args.disable_custom_all_reduce,
         generation_config=args.generation_config,
         override_generation_config=_override_generation_config(args),
         cache=CacheConfig(

@@ -98,6 +98,8 @@ class EngineConfig:
     chat_template: str | None = None  # a Jinja file replacing the model's own chat template
     # Ranks (one process and device each) the model is split over (`distributed/`); 1 = no split.
     tensor_parallel_size: int = 1
+    # Leave every all-reduce to NCCL: no symmetric-memory path for a decode step's small ones.
+    disable_custom_all_reduce: bool = False
     # Sampling defaults for fields a request leaves unset (`engine/generation_config.py`): "auto" = the
     # checkpoint's generation_config.json (GGUF: general.sampling.*), "none" = the API's, or a folder path.
     generation_config: str = "auto"

@@ -7,11 +7,13 @@ instead of waiting forever (gloo honours the timeout directly; NCCL through its 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from inference_service.distributed.symmetric_all_reduce import SymmetricAllReduce
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -22,6 +24,8 @@ class TensorParallelGroup:
 
     rank: int
     world_size: int
+    # The latency path for a decode step's small all-reduces (CUDA with peer access); None = NCCL/gloo only.
+    symmetric: SymmetricAllReduce | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -32,7 +36,10 @@ class TensorParallelGroup:
         return self.rank == 0
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sums `tensor` over the ranks, in place; returns it."""
+        """The sum of `tensor` over the ranks: `tensor` itself summed in place, or a new tensor (small
+        ones on the symmetric-memory path); use the return value."""
+        if self.symmetric is not None and self.symmetric.can_reduce(tensor):
+            return self.symmetric.all_reduce(tensor)
         dist.all_reduce(tensor)
         return tensor
 
@@ -54,13 +61,15 @@ class TensorParallelGroup:
 
 
 def init_group(rank: int, world_size: int, init_method: str, device: torch.device,
-               timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallelGroup:
-    """Joins the process group (NCCL for CUDA devices, gloo for the CPU); `device` is this rank's."""
+               timeout_s: float = DEFAULT_TIMEOUT_S, use_symmetric_memory: bool = True) -> TensorParallelGroup:
+    """Joins the process group (NCCL for CUDA devices, gloo for the CPU); `device` is this rank's.
+    `use_symmetric_memory` False (`--disable-custom-all-reduce`) leaves every all-reduce to NCCL."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(device)
         # NOTE: NVLink SHARP (multicast) hangs on some drivers; off unless the user chose otherwise.
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if backend == "gloo":
         # NOTE: N CPU ranks on one host share its cores; each with a thread per core, their idle
@@ -69,7 +78,8 @@ def init_group(rank: int, world_size: int, init_method: str, device: torch.devic
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s),
                             device_id=device if backend == "nccl" else None)
-    return TensorParallelGroup(rank, world_size)
+    symmetric = SymmetricAllReduce.try_create(device, world_size) if use_symmetric_memory else None
+    return TensorParallelGroup(rank, world_size, symmetric)
 
 
 def destroy_group() -> None:

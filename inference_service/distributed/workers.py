@@ -101,7 +101,8 @@ def start_tensor_parallel(config, devices: list[torch.device], dtype: torch.dtyp
         pipes.append(ours)
     pool = WorkerPool(processes, pipes)
     try:
-        group = init_group(0, world_size, init_method, devices[0])
+        group = init_group(0, world_size, init_method, devices[0],
+                           use_symmetric_memory=not config.disable_custom_all_reduce)
         loaded = load_model_shard(config.model, group, device=devices[0], dtype=dtype, load_format=config.load_format,
                                   attention_backend=config.attention_backend, seed=config.seed,
                                   yarn_scaling_factor=config.yarn_scaling_factor)
@@ -120,7 +121,8 @@ def worker_main(rank: int, world_size: int, init_method: str, config, device: to
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     torch.manual_seed(config.seed)
     try:
-        group = init_group(rank, world_size, init_method, device)
+        group = init_group(rank, world_size, init_method, device,
+                           use_symmetric_memory=not config.disable_custom_all_reduce)
         loaded = load_model_shard(config.model, group, device=device, dtype=dtype, load_format=config.load_format,
                                   attention_backend=config.attention_backend, seed=config.seed,
                                   yarn_scaling_factor=config.yarn_scaling_factor)

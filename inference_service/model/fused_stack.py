@@ -14,7 +14,8 @@ The residual stream is kept apart from the hidden states, as in vLLM: a layer ta
 Decode batches of up to `kernels.MAX_GEMV_ROWS` rows in bf16/fp16 take a shorter path: every
 projection is `kernels.gemv`, with the RMSNorm computed in the qkv and gate_up projections' prologue,
 the SiLU gate in the down projection's, and the residual adds in the o and down projections'
-epilogues. A layer then launches qkv, rotary, attention, o, gate_up and down (plus the KV write).
+epilogues. A layer then launches qkv, rotary, attention, o, gate_up and down (plus the KV write);
+on tensor-parallel shards, plus the o and down projections' all-reduces.
 That path reads the projections' dense weights, so it is taken only when every projection is a
 `DenseLinear` (a quantized Linear variant runs the general path, through its own `forward`) and no
 MLP is a mixture of experts (those run `kernels.fused_moe`: tokens sorted by expert, grouped GEMM).
@@ -117,13 +118,15 @@ class FusedStack:
         else:
             stream = hidden if residual is None else hidden + residual  # the first layer: the embeddings
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = kernels.gemv(stream, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=layer.input_layernorm.weight,
+        qkv_proj, gate_up_proj = _dense(attn.qkv_proj), _dense(mlp.gate_up_proj)
+        qkv = kernels.gemv(stream, qkv_proj.weight, qkv_proj.bias, norm_weight=layer.input_layernorm.weight,
                            eps=layer.input_layernorm.eps)  # [T, q + 2 kv]
         out = self._attend(attn, qkv, positions, kv_cache, metadata)  # [T, q]
-        stream = kernels.gemv(out, attn.o_proj.weight, residual=stream)
-        gate_up = kernels.gemv(stream, mlp.gate_up_proj.weight, norm_weight=layer.post_attention_layernorm.weight,
+        stream = _gemv_into_stream(attn.o_proj, out, stream)
+        gate_up = kernels.gemv(stream, gate_up_proj.weight, gate_up_proj.bias,
+                               norm_weight=layer.post_attention_layernorm.weight,
                                eps=layer.post_attention_layernorm.eps)  # [T, 2 I]
-        return kernels.gemv(gate_up, mlp.down_proj.weight, gated=True, residual=stream)  # [T, H]
+        return _gemv_into_stream(mlp.down_proj, gate_up, stream, gated=True)  # [T, H]
 
     def _attend(self, attn: Attention, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -147,6 +150,23 @@ class FusedStack:
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, attn.scale,
                                    sliding_window=attn.sliding_window, soft_cap=attn.soft_cap)  # [T, Hq, D]
         return out.reshape(num_tokens, attn.q_size)
+
+
+def _dense(module) -> DenseLinear:
+    """The `DenseLinear` holding a projection's weight: the module, or on a tensor-parallel rank the
+    shard its column- or row-parallel wrapper holds (`model/parallel_linear.py`)."""
+    return getattr(module, "local", module)
+
+
+def _gemv_into_stream(module, x: torch.Tensor, stream: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """stream + x W^T (+ b) [T, H]: the o or down projection's output added into the residual stream.
+    On a tensor-parallel rank each rank's partial sum is all-reduced, and only rank 0 adds the stream
+    (and holds the bias) in its epilogue, so both are counted once in the sum."""
+    dense, group = _dense(module), getattr(module, "group", None)
+    if group is None:
+        return kernels.gemv(x, dense.weight, dense.bias, gated=gated, residual=stream)
+    partial = kernels.gemv(x, dense.weight, dense.bias, gated=gated, residual=stream if group.is_driver else None)
+    return group.all_reduce(partial)
 
 
 def _add_rms_norm(norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None

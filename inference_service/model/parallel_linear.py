@@ -109,10 +109,8 @@ def parallelize(model: nn.Module, group: TensorParallelGroup, plan: ShardPlan) -
         mlp.down_proj = RowParallelLinear(mlp.down_proj, group)
     model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, group, *plan.vocab_range)
     model.lm_head = ParallelLMHead(model.lm_head, group, plan.config.vocab_size)
-    # NOTE: the fused stack's folded decode path and the eager stack's C++ decode layers add o_proj
-    # and down_proj into the residual stream inside their kernels, before any all-reduce could sum
-    # the ranks' parts: neither runs on shards.
-    if hasattr(model.stack, "can_fold_gemv"):
-        model.stack.can_fold_gemv = False
+    # NOTE: the eager stack's C++ decode layers add o_proj and down_proj into the residual stream inside
+    # their kernels, before any all-reduce could sum the ranks' parts: they do not run on shards. (The
+    # fused stack's folded path does: it lets rank 0 alone add the stream, then all-reduces.)
     if hasattr(model.stack, "cpu_decode_layers"):
         model.stack.cpu_decode_layers = None

@@ -36,14 +36,31 @@ def teacher_forced_logits(model, prompts: list[list[int]], forced: list[list[int
     return steps
 
 
-def run_rank(rank: int, world_size: int, port: int, jobs: list[tuple], out_file: str) -> None:
+def fold_fp32_gemv() -> None:
+    """Decoders built from here on run the fused stack (the GPU's), and its folded decode path (`kernels.gemv`
+    with the norms, gate and residual adds in its prologue and epilogue) in fp32 too, which takes it only
+    for bf16/fp16: under the Triton interpreter, so the CPU checks it within fp32 error."""
+    import kernels
+    from inference_service.model import fused_stack
+    from inference_service.model.decoder import DecoderModel
+
+    fused_stack.uses_gemv = lambda x, dtype: x.shape[0] <= kernels.MAX_GEMV_ROWS
+    init = DecoderModel.__init__
+    DecoderModel.__init__ = lambda self, config, **kw: init(self, config, **{**kw, "fused_kernels": True})
+
+
+def run_rank(rank: int, world_size: int, port: int, jobs: list[tuple], out_file: str, folded: bool = False) -> None:
     """One rank: join the gloo group; for each (model path, prompts, forced tokens, chunk) job load its
-    shard and run the steps; rank 0 saves the logits of every job."""
+    shard and run the steps; rank 0 saves the logits of every job. `folded`: the fused stack's folded
+    decode path (Triton, interpreted) instead of the torch stack."""
+    if folded:
+        fold_fp32_gemv()
     group = init_group(rank, world_size, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s=60)
     try:
         results = []
         for path, prompts, forced, chunk in jobs:
-            loaded = load_model_shard(path, group, device=torch.device("cpu"), dtype=torch.float32)
+            loaded = load_model_shard(path, group, device=torch.device("cpu"), dtype=torch.float32,
+                                      attention_backend="triton" if folded else "auto")
             results.append(teacher_forced_logits(loaded.model, prompts, forced, chunk))
         if rank == 0:
             torch.save(results, out_file)

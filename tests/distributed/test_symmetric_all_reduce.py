@@ -1,0 +1,35 @@
+"""Which all-reduces take the symmetric-memory path: only where it can run, and only tensors its kernel
+takes (the kernel itself needs two GPUs: `bench/gpu_tp.py`'s allreduce case checks its sums and times)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference_service.distributed.symmetric_all_reduce import SymmetricAllReduce
+
+
+def _gate(max_bytes: int) -> SymmetricAllReduce:
+    gate = object.__new__(SymmetricAllReduce)  # no buffer: only the size and dtype checks
+    gate.max_bytes = max_bytes
+    return gate
+
+
+@pytest.mark.parametrize(("shape", "dtype", "expected"), [
+    ((1, 4096), torch.bfloat16, True),  # a decode row of Llama-3-8B
+    ((32, 4096), torch.bfloat16, True),  # exactly max_bytes
+    ((33, 4096), torch.bfloat16, False),  # larger: NCCL's bandwidth wins
+    ((1, 8191), torch.bfloat16, False),  # not a whole number of 16-byte vectors
+    ((1, 4096), torch.float32, True),
+    ((1, 4096), torch.int64, False),
+])
+def test_only_small_aligned_float_tensors_take_the_symmetric_path(shape, dtype, expected):
+    assert _gate(32 * 4096 * 2).can_reduce(torch.zeros(shape, dtype=dtype)) is expected
+
+
+def test_a_non_contiguous_tensor_goes_to_the_collective():
+    assert not _gate(1 << 20).can_reduce(torch.zeros(64, 64, dtype=torch.bfloat16).t())
+
+
+def test_no_symmetric_path_off_cuda():
+    assert SymmetricAllReduce.try_create(torch.device("cpu"), 2) is None
