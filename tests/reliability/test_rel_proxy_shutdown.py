@@ -25,17 +25,23 @@ def _running(engine) -> float:
 def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(small_engine, tmp_path):
     proxy = start_proxy(small_engine.target, "--shutdown-timeout", "30", log_path=str(tmp_path / "proxy.log"))
     try:
-        # Two streams of 60 tokens fit the small engine's cache (~176 tokens) and outlast the checks below.
+        # Two streams of 60 tokens fit the small engine's cache (~176 tokens).
         specs = random_specs(2, max_tokens=60, seed=4)
         thread, out = _load_in_background(proxy, specs)
         wait_for(lambda: _running(small_engine) == 2, timeout=20)
-        proxy.process.send_signal(signal.SIGTERM)
-        # uvicorn notices signals on its 0.1 s tick; a probe that lands while a worker takes the signal may be
-        # reset (the kernel spreads connections over the workers' sockets): it counts as "not yet", and retries.
-        wait_for(lambda: _health_status(proxy) == 503, timeout=5)
-        late = httpx.post(proxy.url + "/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=5)
-        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
-        assert proxy.process.poll() is None, "the proxy must wait for its streams"
+        # The engine is paused while the drain is checked, so both streams are still in flight however fast
+        # this machine decodes 60 tokens; it resumes before they are awaited.
+        small_engine.process.send_signal(signal.SIGSTOP)
+        try:
+            proxy.process.send_signal(signal.SIGTERM)
+            # uvicorn notices signals on its 0.1 s tick; a probe that lands while a worker takes the signal may
+            # be reset (the kernel spreads connections over the workers' sockets): it counts as "not yet".
+            wait_for(lambda: _health_status(proxy) == 503, timeout=5)
+            late = httpx.post(proxy.url + "/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=5)
+            assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+            assert proxy.process.poll() is None, "the proxy must wait for its streams"
+        finally:
+            small_engine.process.send_signal(signal.SIGCONT)
         thread.join(60)
         for rec in out["records"]:
             assert rec.ok, (rec.error_kind, rec.error)
