@@ -31,10 +31,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gpu_common as common  # noqa: E402
 
-# (name, N, K) of Llama-3-8B's projections
-SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
-          ("lm_head", 128256, 4096)]
-CONFIGS = [(bn, bk, warps, stages) for bn in (4, 8, 16) for bk in (256, 512, 1024) for warps in (4, 8)
+# (name, N, K) of Llama-3-8B's projections, whole and on one rank of two (tensor parallelism: column-parallel
+# qkv, gate_up and lm_head halve N, row-parallel o and down halve K)
+SHAPES = {"llama-3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+                         ("lm_head", 128256, 4096)],
+          "llama-3-8b-tp2": [("qkv", 3072, 4096), ("o", 4096, 2048), ("gate_up", 14336, 4096), ("down", 4096, 7168),
+                             ("lm_head", 64128, 4096)]}
+CONFIGS = [(bn, bk, warps, stages) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024) for warps in (4, 8)
            for stages in (2, 3)]
 
 
@@ -60,13 +63,13 @@ def _graph_time_ms(fn, calls: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def gemv_section(results: dict) -> None:
+def gemv_section(results: dict, shapes: str = "llama-3-8b") -> None:
     from kernels.gemv import gemv
 
     copy_gbs = common.copy_bandwidth_gbs()
-    out = {"copy_gbs": round(copy_gbs, 1)}
+    out = {"copy_gbs": round(copy_gbs, 1), "shapes": shapes}
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for name, n, k in SHAPES:
+    for name, n, k in SHAPES[shapes]:
         copies = max(2, -(-300 * 2**20 // (n * k * 2)))  # > 300 MiB in all, far past L2
         ws = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -74,7 +77,8 @@ def gemv_section(results: dict) -> None:
         ref = F.linear(x.float(), ws[0].float())
         calls = 2 * copies
         gbs = lambda ms: n * k * 2 / (ms * 1e-3) / 1e9  # noqa: E731
-        row = {"cublas_gbs": round(gbs(_graph_time_ms(lambda i: torch.matmul(x, ws[i % copies].t(), out=y), calls)), 1)}
+        row = {"cublas_gbs": round(gbs(_graph_time_ms(lambda i: torch.matmul(x, ws[i % copies].t(), out=y), calls)), 1),
+               "default_gbs": round(gbs(_graph_time_ms(lambda i: gemv(x, ws[i % copies], out=y), calls)), 1)}
         best = None
         for bn, bk, warps, stages in CONFIGS:
             try:
@@ -96,7 +100,7 @@ def gemv_section(results: dict) -> None:
         print(f"gemv {name} [{n}x{k}]: {row}", flush=True)
         del ws
         torch.cuda.empty_cache()
-    results["gemv"] = out
+    results[f"gemv_{shapes}"] = out
 
 
 ATTENTION_CONFIGS = ((None, None, None), (32, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3))
@@ -233,6 +237,7 @@ def main() -> None:
     parser.add_argument("--attention-layouts", default="nhd,hnd", help="cache layouts of the attention section")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens of each profiled sequence")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8 (profile section)")
+    parser.add_argument("--gemv-shapes", default="llama-3-8b", help="llama-3-8b or llama-3-8b-tp2 (one rank of two)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     configs = ATTENTION_CONFIGS
@@ -243,7 +248,7 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("COMMIT", "unknown"),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     shapes = (args.attention_shapes or f"{args.batch}x{args.context}").split(",")
-    sections = {"gemv": gemv_section,
+    sections = {"gemv": lambda r: gemv_section(r, args.gemv_shapes),
                 "attention": lambda r: [attention_section(r, *map(int, shape.split("x")), configs, layouts)
                                         for shape in shapes],
                 "profile": lambda r: profile_section(r, args.out, batch=args.batch, context=args.context,

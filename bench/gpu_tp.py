@@ -7,6 +7,7 @@
     allreduce         time of one decode step's all-reduces (2 a layer + the embedding's, [1, hidden] bf16): NCCL
                       and the engine's path, eager and replayed from a CUDA graph
     offline_70b       Llama-3-70B TP2, fp8 KV: N x (1000 in, 1000 out) tok/s and its ratio to the compute bound
+    profile_tp1_8b / profile_tp2_8b (on demand, --only): rank 0's batch-1 decode steps under torch.profiler
 
 Usage: python bench/gpu_tp.py --out DIR [--only a,b] [--offline-requests 1000]
        python bench/gpu_tp.py --out DIR --only tp1_8b          (one GPU: TP1 only, the no-regression check)
@@ -33,7 +34,7 @@ H200_BF16_FLOPS = 989e12  # dense
 TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
                "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                "vocab_size": 512, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
-SECTIONS = ("tp1_8b", "tp2_8b", "tp2_8b_nccl", "tp2_70b", "allreduce", "offline_70b")
+SECTIONS = ("tp1_8b", "tp2_8b", "tp2_8b_nccl", "tp2_70b", "allreduce", "offline_70b")  # profile_* on demand
 
 
 def case_specs(smoke: bool, offline_requests: int) -> dict[str, dict]:
@@ -50,6 +51,7 @@ def case_specs(smoke: bool, offline_requests: int) -> dict[str, dict]:
     common = {"device": "cuda", "dtype": "bfloat16", "new_tokens": 256}
     return {"tp1_8b": {**common, "model": llama8, "tp": 1}, "tp2_8b": {**common, "model": llama8, "tp": 2},
             "tp2_8b_nccl": {**common, "model": llama8, "tp": 2, "custom_all_reduce": False},
+            "profile_tp1_8b": {**common, "model": llama8, "tp": 1}, "profile_tp2_8b": {**common, "model": llama8, "tp": 2},
             "tp2_70b": {**common, "model": llama70, "tp": 2},
             "allreduce": {**common, "model": llama70, "tp": 2, "hidden": 8192, "layers": 80},
             "offline_70b": {**common, "model": llama70, "tp": 2, "requests": offline_requests, "input": 1000,
@@ -102,6 +104,47 @@ def run_decode(spec: dict) -> dict:
                 "weight_bytes_per_rank": weight_bytes,
                 "roofline_tok_s": H200_BYTES_PER_S / weight_bytes if spec["device"] == "cuda" else None}
     finally:
+        _stop(engine)
+
+
+def run_profile(spec: dict) -> dict:
+    """Rank 0's decode steps at batch 1 under torch.profiler: wall time a step and GPU time by kernel (the
+    replayed graphs' kernels; a collective's time includes its wait for the other rank)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from inference_service.engine.sampling_params import SamplingParams
+
+    engine = _engine(spec)
+    try:
+        steps = 40
+        params = SamplingParams(max_tokens=3 * steps, temperature=0.0, ignore_eos=True)
+        engine.add_request(engine.input_processor.process("p", list(range(1, 17)), params))
+        for _ in range(steps):  # prefill, graphs warm
+            engine.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        kernels = {}
+        for evt in prof.key_averages():
+            device_us = getattr(evt, "self_device_time_total", 0)
+            if device_us > 0:
+                kernels[evt.key] = (device_us / steps, evt.count / steps)
+        top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:20]
+        return {"step_wall_ms": wall_ms, "gpu_kernel_ms_per_step": sum(us for us, _ in kernels.values()) / 1e3,
+                "kernels_per_step": sum(c for _, c in kernels.values()),
+                "top": [{"kernel": k[:80], "us_per_step": round(us, 1), "calls_per_step": round(c, 1)}
+                        for k, (us, c) in top]}
+    finally:
+        while engine.has_unfinished:
+            engine.step()
         _stop(engine)
 
 
@@ -206,6 +249,8 @@ def run_case(name: str, spec: dict) -> dict:
         return run_allreduce(spec)
     if name.startswith("offline"):
         return run_offline(spec)
+    if name.startswith("profile"):
+        return run_profile(spec)
     return run_decode(spec)
 
 
