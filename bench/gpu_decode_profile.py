@@ -64,7 +64,7 @@ def _graph_time_ms(fn, calls: int) -> float:
 
 
 def gemv_section(results: dict, shapes: str = "llama-3-8b") -> None:
-    from kernels.gemv import gemv
+    from kernels.gemv import gemv, gemv_ref
 
     copy_gbs = common.copy_bandwidth_gbs()
     out = {"copy_gbs": round(copy_gbs, 1), "shapes": shapes}
@@ -72,26 +72,34 @@ def gemv_section(results: dict, shapes: str = "llama-3-8b") -> None:
     for name, n, k in SHAPES[shapes]:
         copies = max(2, -(-300 * 2**20 // (n * k * 2)))  # > 300 MiB in all, far past L2
         ws = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(copies)]
-        x = torch.randn(1, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        # Each projection as the fused decode path calls it: the RMSNorm in qkv's and gate_up's prologue, the
+        # residual add in o's and down's epilogue, the SiLU gate in down's prologue.
+        gated = name == "down"
+        x = torch.randn(1, 2 * k if gated else k, device="cuda", generator=gen, dtype=torch.bfloat16)
         y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
-        ref = F.linear(x.float(), ws[0].float())
+        extra = ({"norm_weight": torch.ones(k, device="cuda", dtype=torch.bfloat16)} if name in ("qkv", "gate_up")
+                 else {"residual": torch.zeros(1, n, device="cuda", dtype=torch.bfloat16), "gated": gated}
+                 if name in ("o", "down") else {})
+        ref = gemv_ref(x, ws[0], **extra).float()
         calls = 2 * copies
         gbs = lambda ms: n * k * 2 / (ms * 1e-3) / 1e9  # noqa: E731
-        row = {"cublas_gbs": round(gbs(_graph_time_ms(lambda i: torch.matmul(x, ws[i % copies].t(), out=y), calls)), 1),
-               "default_gbs": round(gbs(_graph_time_ms(lambda i: gemv(x, ws[i % copies], out=y), calls)), 1)}
+        row = {"cublas_gbs": round(gbs(_graph_time_ms(lambda i: torch.matmul(x[:, :k], ws[i % copies].t(), out=y),
+                                                         calls)), 1),
+               "default_gbs": round(gbs(_graph_time_ms(lambda i: gemv(x, ws[i % copies], out=y, **extra), calls)), 1)}
         best = None
         for bn, bk, warps, stages in CONFIGS:
             try:
-                got = gemv(x, ws[0], block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+                got = gemv(x, ws[0], block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, **extra)
                 err = ((got.float() - ref).norm() / ref.norm()).item()
                 if not err < 1e-2:
                     row[f"error_{bn}_{bk}_{warps}_{stages}"] = err
                     continue
                 ms = _graph_time_ms(lambda i: gemv(x, ws[i % copies], out=y, block_n=bn, block_k=bk, num_warps=warps,
-                                                   num_stages=stages), calls)
+                                                   num_stages=stages, **extra), calls)
             except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
                 row[f"failed_{bn}_{bk}_{warps}_{stages}"] = repr(e)[:200]
                 continue
+            row.setdefault("all_gbs", {})[f"{bn}_{bk}_{warps}_{stages}"] = round(gbs(ms), 1)
             if best is None or ms < best[0]:
                 best = (ms, (bn, bk, warps, stages))
         row["triton_best_gbs"], row["triton_best_config"] = round(gbs(best[0]), 1), best[1]
