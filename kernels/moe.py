@@ -188,7 +188,7 @@ def fused_moe(
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     use_gemv: bool | None = None,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j] -> [T, H] in
@@ -228,7 +228,7 @@ def fused_moe(
     block_m = block_m or (16 if num_pairs <= 4 * num_experts else 32)
     sorted_pairs, block_expert = align_pairs_by_expert(topk_ids, num_experts, block_m)
     common = dict(NUM_EXPERTS=num_experts, TOP_K=top_k, BLOCK_M=block_m, DOT_PREC=dot_precision(x.dtype),
-                  UPCAST=dot_upcast(), **({} if is_interpreter() else {"num_warps": num_warps}))
+                  UPCAST=dot_upcast(), **({} if is_interpreter() else {"num_warps": num_warps or 4}))
     if is_interpreter():
         block_n, block_k = block_n or 32, block_k or 32
     else:
@@ -248,8 +248,10 @@ def _gemv_pairs(x, gate_up_proj, down_proj, h, y, pair_weights, topk_ids, top_k,
                 num_warps) -> None:
     """h = the gated MLP input of every pair, y = its weighted down projection: one program a (pair, tile)."""
     ids = topk_ids.reshape(-1)
-    block_n, block_k = block_n or 16, block_k or (32 if is_interpreter() else 256)
-    extra = {} if is_interpreter() else {"num_warps": num_warps}
+    # NOTE: chosen by bench/moe_kernel_tune.py on an H100 at Qwen3-30B-A3B's shapes (2026-11-26): at 1 and 4
+    # tokens 37 and 108 us against 56 and 134 with 16 columns on 4 warps.
+    block_n, block_k = block_n or 8, block_k or (32 if is_interpreter() else 256)
+    extra = {} if is_interpreter() else {"num_warps": num_warps or 8}
     intermediate, hidden = h.shape[1], y.shape[1]
     for a, w, o, n, k, gated in ((x, gate_up_proj, h, intermediate, hidden, True),
                                  (h, down_proj, y, hidden, intermediate, False)):
