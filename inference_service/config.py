@@ -134,11 +134,6 @@ class EngineConfig:
             raise ValueError(f"--quantization must be fp8, int8 or int4, got {self.quantization!r}")
         if self.quantization is not None and self.dequantize:
             raise ValueError("--quantization and --dequantize contradict each other: give one")
-        if self.quantization is not None and self.tensor_parallel_size > 1:
-            # NOTE: the ranks load 16-bit shards; quantizing them in situ is not wired yet (rather than serve
-            # 16-bit weights the user did not ask for).
-            raise ValueError(f"--quantization {self.quantization} is not supported with --tensor-parallel-size "
-                             f"{self.tensor_parallel_size} yet")
         if self.max_cuda_graph_batch_size is not None and self.max_cuda_graph_batch_size < 1:
             raise ValueError(f"--max-cuda-graph-batch-size must be >= 1, got {self.max_cuda_graph_batch_size}")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):

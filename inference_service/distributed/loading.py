@@ -77,24 +77,42 @@ def open_shard_source(path: str | None, load_format: str, dtype: torch.dtype,
 
 def load_model_shard(path: str | None, group: TensorParallelGroup, *, device: torch.device, dtype: torch.dtype,
                      load_format: str = "auto", attention_backend: str = "auto", seed: int = 0,
-                     yarn_scaling_factor: float | None = None) -> loader.LoadedModel:
+                     yarn_scaling_factor: float | None = None, quantization: str | None = None) -> loader.LoadedModel:
     """This rank's part of the model at `path` (see `open_shard_source`). `LoadedModel.config` is the
     whole model's; `LoadedModel.model.config` the rank's (its heads, MLP and vocabulary rows). Each
-    rank reads only its slices of the files."""
+    rank reads only its slices of the files. `quantization` (fp8, int8, int4) quantizes the rank's
+    16-bit slices in situ as they load: each rank scales its own slice (a row-parallel projection's
+    per-channel scales span its half of the inputs)."""
+    from inference_service.model import quantization as quant  # here, not at the top: it imports Triton
+
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise UnsupportedModelError(f"unsupported model dtype {dtype}")
+    quant.check_in_situ(quantization)
     source = open_shard_source(path, load_format, dtype, yarn_scaling_factor)
     plan = ShardPlan(source.config, group.rank, group.world_size)
+    is_dummy = source.shard_weights is None
+    linear_cls = None
+    if quantization and is_dummy:
+        from inference_service.model.fused_stack import GemvLinear  # plain [out, in] weights, re-quantized below
+
+        linear_cls = GemvLinear
+    elif quantization:
+        linear_cls = quant.QuantizedLinear
     model = DecoderModel(plan.local_config(), device=device, dtype=dtype,
-                         attention_backend=get_attention_backend(device, attention_backend))
-    if source.shard_weights is None:
+                         attention_backend=get_attention_backend(device, attention_backend), linear_cls=linear_cls)
+    if is_dummy:
         from inference_service.model.dummy import init_dummy_weights
 
         init_dummy_weights(model, seed + group.rank)
         model.finish_loading()
+        if quantization:
+            model = quant.quantize_loaded_model(model, quantization)
     else:
-        model.load_weights(source.shard_weights(plan))
+        weights = source.shard_weights(plan)
+        model.load_weights(quant.in_situ_weights(weights, quantization, device) if quantization else weights)
+    summary = quant.summarize_model(model, f"in-situ {quantization}" if quantization else "none")  # this rank's
     parallelize(model, group, plan)
     pooling = loader._decoder_pooling(path) if os.path.isdir(path) else None
     return loader.LoadedModel(config=source.config, model=model, tokenizer=source.tokenizer_factory(),
-                              model_path=os.path.abspath(path), model_name=source.name, pooling=pooling)
+                              model_path=os.path.abspath(path), model_name=source.name, pooling=pooling,
+                              quantization=summary)

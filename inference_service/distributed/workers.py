@@ -105,7 +105,7 @@ def start_tensor_parallel(config, devices: list[torch.device], dtype: torch.dtyp
                            use_symmetric_memory=not config.disable_custom_all_reduce)
         loaded = load_model_shard(config.model, group, device=devices[0], dtype=dtype, load_format=config.load_format,
                                   attention_backend=config.attention_backend, seed=config.seed,
-                                  yarn_scaling_factor=config.yarn_scaling_factor)
+                                  yarn_scaling_factor=config.yarn_scaling_factor, quantization=config.quantization)
     except BaseException:
         pool.stop()
         raise
@@ -125,7 +125,7 @@ def worker_main(rank: int, world_size: int, init_method: str, config, device: to
                            use_symmetric_memory=not config.disable_custom_all_reduce)
         loaded = load_model_shard(config.model, group, device=device, dtype=dtype, load_format=config.load_format,
                                   attention_backend=config.attention_backend, seed=config.seed,
-                                  yarn_scaling_factor=config.yarn_scaling_factor)
+                                  yarn_scaling_factor=config.yarn_scaling_factor, quantization=config.quantization)
         WorkerLoop(loaded.model, group, pipe, device, dtype).run()
     except BaseException:
         logger.exception("tensor-parallel rank %d failed", rank)

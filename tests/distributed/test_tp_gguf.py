@@ -94,7 +94,7 @@ def test_two_ranks_match_one_process(gguf_path, tmp_path):
     out_file = str(tmp_path / "rank0.pt")
     mp.start_processes(run_rank, args=(2, free_port(), [(gguf_path, prompts, forced, chunk)], out_file), nprocs=2,
                        start_method="spawn")
-    got = torch.load(out_file)[0]
+    got = torch.load(out_file)["logits"][0]
     assert len(got) == len(expected)
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)

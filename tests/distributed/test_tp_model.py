@@ -44,7 +44,7 @@ def _two_rank_runs(folder, cases: dict, folded: bool) -> dict:
     out_file = str(folder / "rank0_logits.pt")
     mp.start_processes(run_rank, args=(2, free_port(), jobs, out_file, folded), nprocs=2, join=True,
                        start_method="spawn")
-    got = torch.load(out_file)
+    got = torch.load(out_file)["logits"]
     return {case: (*references[case], got[i]) for i, case in enumerate(sorted(cases))}
 
 

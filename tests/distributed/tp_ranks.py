@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import torch
@@ -49,20 +50,23 @@ def fold_fp32_gemv() -> None:
     DecoderModel.__init__ = lambda self, config, **kw: init(self, config, **{**kw, "fused_kernels": True})
 
 
-def run_rank(rank: int, world_size: int, port: int, jobs: list[tuple], out_file: str, folded: bool = False) -> None:
+def run_rank(rank: int, world_size: int, port: int, jobs: list[tuple], out_file: str, folded: bool = False,
+             quantization: str | None = None) -> None:
     """One rank: join the gloo group; for each (model path, prompts, forced tokens, chunk) job load its
-    shard and run the steps; rank 0 saves the logits of every job. `folded`: the fused stack's folded
-    decode path (Triton, interpreted) instead of the torch stack."""
+    shard and run the steps; rank 0 saves the logits of every job and its shard's `QuantizationSummary`.
+    `folded`: the fused stack's folded decode path (Triton, interpreted) instead of the torch stack;
+    `quantization`: the shards quantized in situ."""
     if folded:
         fold_fp32_gemv()
     group = init_group(rank, world_size, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s=60)
     try:
-        results = []
+        results, summaries = [], []
         for path, prompts, forced, chunk in jobs:
             loaded = load_model_shard(path, group, device=torch.device("cpu"), dtype=torch.float32,
-                                      attention_backend="triton" if folded else "auto")
+                                      attention_backend="triton" if folded else "auto", quantization=quantization)
             results.append(teacher_forced_logits(loaded.model, prompts, forced, chunk))
+            summaries.append(dataclasses.astuple(loaded.quantization))  # plain values: torch.load's weights_only
         if rank == 0:
-            torch.save(results, out_file)
+            torch.save({"logits": results, "summaries": summaries}, out_file)
     finally:
         destroy_group()

@@ -46,8 +46,6 @@ def test_a_hub_id_is_the_default_served_name():
     (("--tensor-parallel-size", "2", "--device", "cuda:1"), "--device cuda:1 names 1 GPUs for --tensor-parallel-size 2"),
     (("--device", "cuda:0,x"), "--device must be auto, cpu, cuda, cuda:N or cuda:N,M,..., got 'cuda:0,x'"),
     (("--gpu-memory-utilization", "1.5"), "--gpu-memory-utilization must be in (0, 1], got 1.5"),
-    (("--tensor-parallel-size", "2", "--quantization", "fp8"),
-     "--quantization fp8 is not supported with --tensor-parallel-size 2 yet"),
     (("--gpu-memory-utilization", "0.8", "--gpu-memory-fraction", "0.8"),
      "--gpu-memory-fraction (of free memory) and --gpu-memory-utilization (of total memory, vLLM's meaning) "
      "are two ways to size the KV cache: give one"),
