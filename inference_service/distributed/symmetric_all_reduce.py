@@ -1,9 +1,10 @@
 """`SymmetricAllReduce`: the small all-reduces of a decode step through PyTorch symmetric memory.
 
-A decode step of a TP2 Llama-3-8B sums 65 activations of a few KiB each; through NCCL each takes ~15-30 us,
-about a third of the step. PyTorch's one-shot all-reduce (`torch.ops.symm_mem.one_shot_all_reduce_copy`)
-copies the input into a buffer every rank maps, then each rank reads its peers' buffers over NVLink and sums
-them in one kernel, with no ring and no proxy thread: a few microseconds, and capturable in a CUDA graph.
+A decode step of a TP2 Llama-3-8B sums 65 activations of a few KiB each; inside a CUDA graph on two H200s
+NCCL takes 16-24 us for each (bench/gpu_tp.py's allreduce case). PyTorch's one-shot all-reduce
+(`torch.ops.symm_mem.one_shot_all_reduce_copy`) copies the input into a buffer every rank maps, then each
+rank reads its peers' buffers over NVLink and sums them in one kernel, with no ring and no proxy thread:
+about 7 us, and capturable in a CUDA graph.
 It is the latency-bound regime only: messages above `max_bytes` (prefill) go to NCCL, whose bandwidth wins.
 The engine uses it where it sets up (CUDA, peer access between the GPUs) unless
 `--disable-custom-all-reduce`; anything else falls back to NCCL with a log line.
