@@ -16,6 +16,7 @@ from inference_service.errors import UnsupportedModelError
 from inference_service.model import loader
 from inference_service.model.config import ModelConfig, with_yarn_scaling
 from inference_service.model.decoder import DecoderModel
+from inference_service.model.quant.config import QuantSpec
 from inference_service.model.parallel_linear import parallelize
 from inference_service.model.tokenizer import Tokenizer
 
@@ -23,12 +24,13 @@ from inference_service.model.tokenizer import Tokenizer
 @dataclass
 class ShardSource:
     """A checkpoint opened for sharded reading: nothing but headers and metadata read yet.
-    `shard_weights(plan)` iterates the plan's slices; None: dummy weights."""
+    `shard_weights(plan, device)` iterates the plan's slices; None: dummy weights."""
 
     config: ModelConfig
     tokenizer_factory: Callable[[], Tokenizer]
     name: str
-    shard_weights: Callable[[ShardPlan], Iterable[tuple[str, torch.Tensor]]] | None
+    shard_weights: Callable[[ShardPlan, torch.device], Iterable[tuple[str, object]]] | None
+    quant_spec: QuantSpec | None = None  # a quantized checkpoint's: its layers come packed (`quant_shards.py`)
 
 
 def open_shard_source(path: str | None, load_format: str, dtype: torch.dtype,
@@ -53,12 +55,14 @@ def open_shard_source(path: str | None, load_format: str, dtype: torch.dtype,
 
         # Checks the dtypes and the quantization config; reads no tensor.
         config, _, tokenizer, name, quant_spec = loader._open_hf_dir(path, dtype, "cpu", None)
-        if quant_spec is not None:
-            raise UnsupportedModelError("--tensor-parallel-size > 1 does not load quantized checkpoints yet "
-                                        f"({path!r} has a quantization_config)")
         files = loader._safetensors_files(path)
-        source = ShardSource(config, lambda: tokenizer, name,
-                             lambda plan: ShardedSafetensors(files, plan, dtype, loader._IGNORED_TENSOR_SUFFIXES))
+        if quant_spec is None:
+            source = ShardSource(config, lambda: tokenizer, name,
+                                 lambda plan, device: ShardedSafetensors(files, plan, dtype,
+                                                                         loader._IGNORED_TENSOR_SUFFIXES))
+        else:
+            source = ShardSource(config, lambda: tokenizer, name, _quantized_shards(files, quant_spec, dtype),
+                                 quant_spec=quant_spec)
     elif path.endswith(".gguf"):
         from inference_service.distributed.gguf_shards import ShardedGGUF
         from inference_service.model.gguf_loader import GGUFCheckpoint
@@ -67,7 +71,7 @@ def open_shard_source(path: str | None, load_format: str, dtype: torch.dtype,
         name = re.sub(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", "", os.path.basename(path)[: -len(".gguf")],
                       flags=re.IGNORECASE)
         source = ShardSource(checkpoint.config, lambda: Tokenizer.from_gguf_metadata(checkpoint.metadata), name,
-                             lambda plan: ShardedGGUF(checkpoint, plan, dtype))
+                             lambda plan, device: ShardedGGUF(checkpoint, plan, dtype))
     else:
         raise UnsupportedModelError(f"model path {path!r} is neither a .gguf file nor a folder")
     if yarn_scaling_factor:
@@ -89,6 +93,9 @@ def load_model_shard(path: str | None, group: TensorParallelGroup, *, device: to
         raise UnsupportedModelError(f"unsupported model dtype {dtype}")
     quant.check_in_situ(quantization)
     source = open_shard_source(path, load_format, dtype, yarn_scaling_factor)
+    if source.quant_spec is not None and quantization:
+        raise UnsupportedModelError(f"--quantization {quantization}: the checkpoint is quantized already "
+                                    f"({quant.spec_label(source.quant_spec)}); leave --quantization out")
     plan = ShardPlan(source.config, group.rank, group.world_size)
     is_dummy = source.shard_weights is None
     linear_cls = None
@@ -96,7 +103,7 @@ def load_model_shard(path: str | None, group: TensorParallelGroup, *, device: to
         from inference_service.model.fused_stack import GemvLinear  # plain [out, in] weights, re-quantized below
 
         linear_cls = GemvLinear
-    elif quantization:
+    elif quantization or source.quant_spec is not None:
         linear_cls = quant.QuantizedLinear
     model = DecoderModel(plan.local_config(), device=device, dtype=dtype,
                          attention_backend=get_attention_backend(device, attention_backend), linear_cls=linear_cls)
@@ -108,11 +115,27 @@ def load_model_shard(path: str | None, group: TensorParallelGroup, *, device: to
         if quantization:
             model = quant.quantize_loaded_model(model, quantization)
     else:
-        weights = source.shard_weights(plan)
+        weights = source.shard_weights(plan, device)
         model.load_weights(quant.in_situ_weights(weights, quantization, device) if quantization else weights)
-    summary = quant.summarize_model(model, f"in-situ {quantization}" if quantization else "none")  # this rank's
+    label = (quant.spec_label(source.quant_spec) if source.quant_spec is not None
+             else f"in-situ {quantization}" if quantization else "none")
+    summary = quant.summarize_model(model, label)  # this rank's shard
     parallelize(model, group, plan)
     pooling = loader._decoder_pooling(path) if os.path.isdir(path) else None
     return loader.LoadedModel(config=source.config, model=model, tokenizer=source.tokenizer_factory(),
                               model_path=os.path.abspath(path), model_name=source.name, pooling=pooling,
                               quantization=summary)
+
+
+def _quantized_shards(files: list[str], spec: QuantSpec, dtype: torch.dtype):
+    """`shard_weights` of a quantized checkpoint: the plan's part of every tensor, each layer packed on the device."""
+
+    def shard_weights(plan: ShardPlan, device: torch.device):
+        from inference_service.distributed.quant_shards import QuantizedShardReader
+        from inference_service.model.quant.loading import quantized_safetensors_weights
+
+        reader = QuantizedShardReader(plan, spec, dtype)
+        return quantized_safetensors_weights(files, spec, dtype, device, read_plain=reader.read_plain,
+                                             read_layer=reader.read_layer)
+
+    return shard_weights

@@ -10,21 +10,25 @@ import torch
 from inference_service.distributed.sharding import ShardPlan, TensorShard
 
 
-def read_shard(tensor_slice, shard: TensorShard | None, dtype: torch.dtype) -> torch.Tensor:
+def read_shard(tensor_slice, shard: TensorShard | None, dtype: torch.dtype | None) -> torch.Tensor:
     """A safetensors `PySafeSlice` (or anything indexable the same way with `get_shape()`) -> this
-    rank's part in `dtype`."""
+    rank's part in `dtype` (None: as stored)."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t if dtype is None else t.to(dtype)
+
     shape = list(tensor_slice.get_shape())
     if shard is None:
-        return tensor_slice[:].to(dtype)
+        return cast(tensor_slice[:])
     if shard.is_zero:
         return torch.zeros(shape, dtype=dtype)
     parts = []
     for start, stop in shard.ranges:
         index = (slice(start, stop),) if shard.dim == 0 else (slice(None), slice(start, stop))
-        parts.append(tensor_slice[index].to(dtype))
+        parts.append(cast(tensor_slice[index]))
     part = parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim)
     if shard.pad_rows is not None and part.shape[0] < shard.pad_rows:
-        padding = torch.zeros((shard.pad_rows - part.shape[0], *part.shape[1:]), dtype=dtype)
+        padding = torch.zeros((shard.pad_rows - part.shape[0], *part.shape[1:]), dtype=part.dtype)
         part = torch.cat((part, padding))
     return part
 

@@ -4,7 +4,7 @@ startup log report (quantization, bits, weight memory)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -16,6 +16,11 @@ from inference_service.model.quant.config import (
     QuantSpec,
 )
 from inference_service.model.quant.summary import PackedWeight, describe_weight
+
+# Readers of a checkpoint tensor from its safetensors slice: a plain tensor by name, a quantized layer's tensors
+# by suffix (`quantized_safetensors_weights`).
+ReadPlain = Callable[[str, object], torch.Tensor]
+ReadLayer = Callable[[str, dict[str, object]], dict[str, torch.Tensor]]
 
 # The tensor that marks a quantized layer, and every suffix the layer owns, per method.
 _MARKER = {QuantMethod.GPTQ: "qweight", QuantMethod.AWQ: "qweight", QuantMethod.PACKED_INT: "weight_packed"}
@@ -93,12 +98,16 @@ def summarize(weights: Mapping[str, PackedWeight | torch.Tensor], quantization: 
 
 
 def quantized_safetensors_weights(files: list[str], spec: QuantSpec, dtype: torch.dtype,
-                                  device: torch.device | str) -> Iterator[tuple[str, PackedWeight | torch.Tensor]]:
+                                  device: torch.device | str, read_plain: ReadPlain | None = None,
+                                  read_layer: ReadLayer | None = None
+                                  ) -> Iterator[tuple[str, PackedWeight | torch.Tensor]]:
     """A quantized checkpoint's tensors as the loader takes them: each quantized layer once, as
     (`prefix.weight`, its packed form on `device`), every other tensor cast to `dtype`. Tensors of one
     layer may lie in different shards. A tensor outside a quantized layer in a dtype other than
     F32/F16/BF16, or a layer the spec says to ignore that came quantized, raises
-    `QuantizationConfigError` naming it (before any work)."""
+    `QuantizationConfigError` naming it (before any work). `read_plain(name, slice)` and
+    `read_layer(prefix, {suffix: slice})` read the tensors (default: whole; a tensor-parallel rank
+    reads its part, `distributed/quant_shards.py`)."""
     from safetensors import safe_open
 
     from inference_service.model.quant.checkpoint import pack_checkpoint_linear
@@ -122,14 +131,19 @@ def quantized_safetensors_weights(files: list[str], spec: QuantSpec, dtype: torc
         for name in rest:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
-            tensor = handles[where[name]].get_tensor(name)
+            tensor = (read_plain(name, handles[where[name]].get_slice(name)) if read_plain is not None
+                      else handles[where[name]].get_tensor(name))
             # NOTE: GPTQ exporters save a zero bias beside every quantized layer, also for models without
             # biases; adding zero changes nothing, so it is dropped rather than refused.
             if name.endswith(".bias") and name[: -len(".bias")] in layers and not tensor.any():
                 continue
             yield name, tensor.to(dtype)
         for prefix, parts in layers.items():
-            tensors = {suffix: handles[where[name]].get_tensor(name).to(device) for suffix, name in parts.items()}
+            if read_layer is not None:
+                tensors = read_layer(prefix, {suffix: handles[where[name]].get_slice(name) for suffix, name in parts.items()})
+            else:
+                tensors = {suffix: handles[where[name]].get_tensor(name) for suffix, name in parts.items()}
+            tensors = {suffix: tensor.to(device) for suffix, tensor in tensors.items()}
             yield f"{prefix}.weight", pack_checkpoint_linear(spec, prefix, tensors)
 
 
