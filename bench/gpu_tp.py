@@ -8,6 +8,8 @@
                       and the engine's path, eager and replayed from a CUDA graph
     offline_70b       Llama-3-70B TP2, fp8 KV: N x (1000 in, 1000 out) tok/s and its ratio to the compute bound
     profile_tp1_8b / profile_tp2_8b (on demand, --only): rank 0's batch-1 decode steps under torch.profiler
+    tp1_8b_int4 / tp2_8b_int4 (on demand): batch-1 decode with --quantization int4 (each rank quantizes its slices;
+                      --smoke has tp2_8b_int8)
 
 Usage: python bench/gpu_tp.py --out DIR [--only a,b] [--offline-requests 1000]
        python bench/gpu_tp.py --out DIR --only tp1_8b          (one GPU: TP1 only, the no-regression check)
@@ -45,6 +47,7 @@ def case_specs(smoke: bool, offline_requests: int) -> dict[str, dict]:
         common = {"model": folder, "device": "cpu", "dtype": "float32", "new_tokens": 8}
         return {"tp1_8b": {**common, "tp": 1}, "tp2_8b": {**common, "tp": 2},
                 "tp2_8b_nccl": {**common, "tp": 2, "custom_all_reduce": False}, "tp2_70b": {**common, "tp": 2},
+                "tp2_8b_int8": {**common, "tp": 2, "quantization": "int8"},
                 "allreduce": {**common, "tp": 2, "hidden": 128, "layers": 2},
                 "offline_70b": {**common, "tp": 2, "requests": 4, "input": 16, "output": 16, "kv": "auto"}}
     llama8, llama70 = os.path.join(CONFIGS, "llama-3-8b"), os.path.join(CONFIGS, "llama-3-70b")
@@ -52,6 +55,8 @@ def case_specs(smoke: bool, offline_requests: int) -> dict[str, dict]:
     return {"tp1_8b": {**common, "model": llama8, "tp": 1}, "tp2_8b": {**common, "model": llama8, "tp": 2},
             "tp2_8b_nccl": {**common, "model": llama8, "tp": 2, "custom_all_reduce": False},
             "profile_tp1_8b": {**common, "model": llama8, "tp": 1}, "profile_tp2_8b": {**common, "model": llama8, "tp": 2},
+            "tp1_8b_int4": {**common, "model": llama8, "tp": 1, "quantization": "int4"},
+            "tp2_8b_int4": {**common, "model": llama8, "tp": 2, "quantization": "int4"},
             "tp2_70b": {**common, "model": llama70, "tp": 2},
             "allreduce": {**common, "model": llama70, "tp": 2, "hidden": 8192, "layers": 80},
             "offline_70b": {**common, "model": llama70, "tp": 2, "requests": offline_requests, "input": 1000,
@@ -70,6 +75,7 @@ def _engine(spec: dict, kv_cache_dtype: str = "auto", max_num_seqs: int = 1):
     config = EngineConfig(model=spec["model"], device=spec["device"], dtype=spec["dtype"], load_format="dummy",
                           tensor_parallel_size=spec["tp"],
                           disable_custom_all_reduce=not spec.get("custom_all_reduce", True),
+                          quantization=spec.get("quantization"),
                           cache=CacheConfig(kv_cache_memory_mib=64 if spec["device"] == "cpu" else None,
                                             kv_cache_dtype=kv_cache_dtype),
                           scheduler=SchedulerConfig(max_num_seqs=max_num_seqs))
