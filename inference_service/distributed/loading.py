@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Callable, Iterable
@@ -16,9 +17,11 @@ from inference_service.errors import UnsupportedModelError
 from inference_service.model import loader
 from inference_service.model.config import ModelConfig, with_yarn_scaling
 from inference_service.model.decoder import DecoderModel
-from inference_service.model.quant.config import QuantSpec
 from inference_service.model.parallel_linear import parallelize
+from inference_service.model.quant.config import QuantSpec
 from inference_service.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -120,6 +123,7 @@ def load_model_shard(path: str | None, group: TensorParallelGroup, *, device: to
     label = (quant.spec_label(source.quant_spec) if source.quant_spec is not None
              else f"in-situ {quantization}" if quantization else "none")
     summary = quant.summarize_model(model, label)  # this rank's shard
+    logger.info("rank %d: %s", group.rank, summary.log_line())
     parallelize(model, group, plan)
     pooling = loader._decoder_pooling(path) if os.path.isdir(path) else None
     return loader.LoadedModel(config=source.config, model=model, tokenizer=source.tokenizer_factory(),
