@@ -27,13 +27,14 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ShardSource:
     """A checkpoint opened for sharded reading: nothing but headers and metadata read yet.
-    `shard_weights(plan, device)` iterates the plan's slices; None: dummy weights."""
+    `shard_weights(plan, device, packed)` iterates the plan's slices; None: dummy weights."""
 
     config: ModelConfig
     tokenizer_factory: Callable[[], Tokenizer]
     name: str
-    shard_weights: Callable[[ShardPlan, torch.device], Iterable[tuple[str, object]]] | None
+    shard_weights: Callable[[ShardPlan, torch.device, bool], Iterable[tuple[str, object]]] | None
     quant_spec: QuantSpec | None = None  # a quantized checkpoint's: its layers come packed (`quant_shards.py`)
+    is_gguf: bool = False  # `shard_weights(..., packed=True)` keeps its projections' blocks (`gguf_shards.py`)
 
 
 def open_shard_source(path: str | None, load_format: str, dtype: torch.dtype,
@@ -61,8 +62,8 @@ def open_shard_source(path: str | None, load_format: str, dtype: torch.dtype,
         files = loader._safetensors_files(path)
         if quant_spec is None:
             source = ShardSource(config, lambda: tokenizer, name,
-                                 lambda plan, device: ShardedSafetensors(files, plan, dtype,
-                                                                         loader._IGNORED_TENSOR_SUFFIXES))
+                                 lambda plan, device, packed: ShardedSafetensors(files, plan, dtype,
+                                                                                 loader._IGNORED_TENSOR_SUFFIXES))
         else:
             source = ShardSource(config, lambda: tokenizer, name, _quantized_shards(files, quant_spec, dtype),
                                  quant_spec=quant_spec)
@@ -74,7 +75,8 @@ def open_shard_source(path: str | None, load_format: str, dtype: torch.dtype,
         name = re.sub(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", "", os.path.basename(path)[: -len(".gguf")],
                       flags=re.IGNORECASE)
         source = ShardSource(checkpoint.config, lambda: Tokenizer.from_gguf_metadata(checkpoint.metadata), name,
-                             lambda plan, device: ShardedGGUF(checkpoint, plan, dtype))
+                             lambda plan, device, packed: ShardedGGUF(checkpoint, plan, dtype, packed),
+                             is_gguf=True)
     else:
         raise UnsupportedModelError(f"model path {path!r} is neither a .gguf file nor a folder")
     if yarn_scaling_factor:
@@ -84,12 +86,15 @@ def open_shard_source(path: str | None, load_format: str, dtype: torch.dtype,
 
 def load_model_shard(path: str | None, group: TensorParallelGroup, *, device: torch.device, dtype: torch.dtype,
                      load_format: str = "auto", attention_backend: str = "auto", seed: int = 0,
-                     yarn_scaling_factor: float | None = None, quantization: str | None = None) -> loader.LoadedModel:
+                     yarn_scaling_factor: float | None = None, quantization: str | None = None,
+                     quantized_weights: bool = True) -> loader.LoadedModel:
     """This rank's part of the model at `path` (see `open_shard_source`). `LoadedModel.config` is the
     whole model's; `LoadedModel.model.config` the rank's (its heads, MLP and vocabulary rows). Each
     rank reads only its slices of the files. `quantization` (fp8, int8, int4) quantizes the rank's
     16-bit slices in situ as they load: each rank scales its own slice (a row-parallel projection's
-    per-channel scales span its half of the inputs)."""
+    per-channel scales span its half of the inputs). A GGUF's projections stay in their blocks where the
+    quantized kernels run (CUDA), as a single-process load keeps them, unless `quantized_weights` is False
+    (`--dequantize`)."""
     from inference_service.model import quantization as quant  # here, not at the top: it imports Triton
 
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -101,12 +106,13 @@ def load_model_shard(path: str | None, group: TensorParallelGroup, *, device: to
                                     f"({quant.spec_label(source.quant_spec)}); leave --quantization out")
     plan = ShardPlan(source.config, group.rank, group.world_size)
     is_dummy = source.shard_weights is None
+    gguf_packed = source.is_gguf and quantization is None and quantized_weights and quant.runs_packed(device)
     linear_cls = None
     if quantization and is_dummy:
         from inference_service.model.fused_stack import GemvLinear  # plain [out, in] weights, re-quantized below
 
         linear_cls = GemvLinear
-    elif quantization or source.quant_spec is not None:
+    elif quantization or source.quant_spec is not None or gguf_packed:
         linear_cls = quant.QuantizedLinear
     model = DecoderModel(plan.local_config(), device=device, dtype=dtype,
                          attention_backend=get_attention_backend(device, attention_backend), linear_cls=linear_cls)
@@ -118,10 +124,10 @@ def load_model_shard(path: str | None, group: TensorParallelGroup, *, device: to
         if quantization:
             model = quant.quantize_loaded_model(model, quantization)
     else:
-        weights = source.shard_weights(plan, device)
+        weights = source.shard_weights(plan, device, gguf_packed)
         model.load_weights(quant.in_situ_weights(weights, quantization, device) if quantization else weights)
     label = (quant.spec_label(source.quant_spec) if source.quant_spec is not None
-             else f"in-situ {quantization}" if quantization else "none")
+             else f"in-situ {quantization}" if quantization else "gguf" if gguf_packed else "none")
     summary = quant.summarize_model(model, label)  # this rank's shard
     logger.info("rank %d: %s", group.rank, summary.log_line())
     parallelize(model, group, plan)
@@ -134,7 +140,7 @@ def load_model_shard(path: str | None, group: TensorParallelGroup, *, device: to
 def _quantized_shards(files: list[str], spec: QuantSpec, dtype: torch.dtype):
     """`shard_weights` of a quantized checkpoint: the plan's part of every tensor, each layer packed on the device."""
 
-    def shard_weights(plan: ShardPlan, device: torch.device):
+    def shard_weights(plan: ShardPlan, device: torch.device, packed: bool):
         from inference_service.distributed.quant_shards import QuantizedShardReader
         from inference_service.model.quant.loading import quantized_safetensors_weights
 

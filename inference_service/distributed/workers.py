@@ -105,7 +105,8 @@ def start_tensor_parallel(config, devices: list[torch.device], dtype: torch.dtyp
                            use_symmetric_memory=not config.disable_custom_all_reduce)
         loaded = load_model_shard(config.model, group, device=devices[0], dtype=dtype, load_format=config.load_format,
                                   attention_backend=config.attention_backend, seed=config.seed,
-                                  yarn_scaling_factor=config.yarn_scaling_factor, quantization=config.quantization)
+                                  yarn_scaling_factor=config.yarn_scaling_factor, quantization=config.quantization,
+                                  quantized_weights=not config.dequantize)
     except BaseException:
         pool.stop()
         raise
@@ -125,7 +126,8 @@ def worker_main(rank: int, world_size: int, init_method: str, config, device: to
                            use_symmetric_memory=not config.disable_custom_all_reduce)
         loaded = load_model_shard(config.model, group, device=device, dtype=dtype, load_format=config.load_format,
                                   attention_backend=config.attention_backend, seed=config.seed,
-                                  yarn_scaling_factor=config.yarn_scaling_factor, quantization=config.quantization)
+                                  yarn_scaling_factor=config.yarn_scaling_factor, quantization=config.quantization,
+                                  quantized_weights=not config.dequantize)
         WorkerLoop(loaded.model, group, pipe, device, dtype).run()
     except BaseException:
         logger.exception("tensor-parallel rank %d failed", rank)

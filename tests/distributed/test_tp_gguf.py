@@ -1,5 +1,6 @@
 """GGUF under tensor parallelism: each rank slices its rows (and whole Q8_0 blocks of columns) out of the
-memory map; two ranks give the logits of one process that dequantized the same file."""
+memory map, dequantized, or repacked in their blocks where the quantized kernels run (CUDA; here the Triton
+interpreter); two ranks give the logits of one process that dequantized the same file."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from harness import PagedHarness
 from test_gguf_sentencepiece import _permute, _vocab
 from tp_ranks import free_port, run_rank, teacher_forced_logits
 
-from inference_service.distributed.gguf_shards import read_gguf_shard
+from inference_service.distributed.gguf_shards import read_gguf_shard, read_gguf_shard_packed
 from inference_service.distributed.sharding import ShardPlan
 from inference_service.model.gguf_loader import GGUFCheckpoint
 from inference_service.model.loader import load_model
+from inference_service.model.quant.packed_linear import dequantize_packed
 
 NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -70,15 +72,29 @@ def gguf_path(tmp_path_factory) -> str:
     return path
 
 
+SLICED = [("blk.1.attn_output.weight", "model.layers.1.self_attn.o_proj.weight", 1),
+          ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", 1),
+          ("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight", 0),
+          ("blk.1.attn_v.weight", "model.layers.1.self_attn.v_proj.weight", 0)]
+
+
+def test_packed_shards_hold_the_blocks_of_the_dequantized_slices(gguf_path):
+    checkpoint = GGUFCheckpoint(gguf_path)
+    tensors = {t.name: t for t in checkpoint._reader.tensors}
+    for rank in (0, 1):
+        plan = ShardPlan(checkpoint.config, rank, 2)
+        for gguf_name, hf_name, _ in SLICED:
+            packed = read_gguf_shard_packed(tensors[gguf_name], plan.shard_of(hf_name))
+            expected = read_gguf_shard(tensors[gguf_name], plan.shard_of(hf_name))
+            np.testing.assert_array_equal(dequantize_packed(packed, torch.float32).numpy(), expected)
+
+
 def test_shards_are_slices_of_the_dequantized_tensors(gguf_path):
     checkpoint = GGUFCheckpoint(gguf_path)
     tensors = {t.name: t for t in checkpoint._reader.tensors}
     for rank in (0, 1):
         plan = ShardPlan(checkpoint.config, rank, 2)
-        for gguf_name, hf_name, dim in [("blk.1.attn_output.weight", "model.layers.1.self_attn.o_proj.weight", 1),
-                                        ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", 1),
-                                        ("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight", 0),
-                                        ("blk.1.attn_v.weight", "model.layers.1.self_attn.v_proj.weight", 0)]:
+        for gguf_name, hf_name, dim in SLICED:
             full = GGUFCheckpoint._dequantize(tensors[gguf_name])
             n = full.shape[dim] // 2
             expected = full[rank * n:(rank + 1) * n] if dim == 0 else full[:, rank * n:(rank + 1) * n]
@@ -94,7 +110,9 @@ def test_two_ranks_match_one_process(gguf_path, tmp_path):
     out_file = str(tmp_path / "rank0.pt")
     mp.start_processes(run_rank, args=(2, free_port(), [(gguf_path, prompts, forced, chunk)], out_file), nprocs=2,
                        start_method="spawn")
-    got = torch.load(out_file)["logits"][0]
+    saved = torch.load(out_file)
+    got = saved["logits"][0]
+    assert saved["summaries"][0][:2] == ("gguf", 8)  # the ranks kept their Q8_0 blocks (quantization, bits)
     assert len(got) == len(expected)
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)

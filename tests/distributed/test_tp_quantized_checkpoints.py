@@ -66,4 +66,4 @@ def test_an_act_order_checkpoint_split_by_input_rows_is_refused_naming_the_tenso
     path, _ = write_quantized("gptq-desc-act", str(tmp_path), seed=5)
     source = open_shard_source(path, "auto", torch.float32)
     with pytest.raises(UnsupportedModelError, match=r"model\.layers\.\d\.(self_attn\.o_proj|mlp\.down_proj)\.g_idx: a desc_act"):
-        list(source.shard_weights(ShardPlan(source.config, 1, 2), torch.device("cpu")))
+        list(source.shard_weights(ShardPlan(source.config, 1, 2), torch.device("cpu"), False))
