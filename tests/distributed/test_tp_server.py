@@ -1,6 +1,6 @@
-"""`serve --tensor-parallel-size 2` on the CPU (gloo): the same greedy tokens as one process; a killed
-worker turns the server NOT_SERVING and makes it exit non-zero; a size that does not divide the model
-is a clear startup error."""
+"""`serve --tensor-parallel-size 2` on the CPU (gloo): the same greedy tokens as one process, also when
+a cache too small for every request preempts some; a killed worker turns the server NOT_SERVING and makes it
+exit non-zero; a size that does not divide the model is a clear startup error."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from tiny_models import make_hf_model, save_hf_model
 from inference_service.api import pb, pb_grpc
 from inference_service.model.loader import load_model
 from tests.grpc_client import REPO_ROOT, GenerateStream, start_engine
+from tests.reliability.rel_helpers import engine_metrics
 
 PROMPTS = [[256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33] * 2, [256, 84, 80]]
 NUM_NEW_TOKENS = 8
@@ -76,6 +77,30 @@ def test_two_ranks_serve_the_tokens_of_one_process_and_die_with_a_worker(model_p
             assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
         assert engine.process.wait(MAX_EXIT_S) == 1
         assert "tensor-parallel worker rank 1 (pid" in engine.log() and "exited with code -9" in engine.log()
+    finally:
+        engine.stop()
+
+
+def test_preempted_requests_on_two_ranks_give_the_tokens_of_one_process(tmp_path):
+    # 16 layers of 2 KV heads of 64 a rank: 16 KiB of fp32 K and V a token, so 1 MiB holds 64 tokens (4 blocks).
+    # Three requests of 16 + 40 tokens (4 blocks each) overflow it; each alone fits.
+    model = make_hf_model("llama", seed=7, hidden_size=256, intermediate_size=256, num_hidden_layers=16,
+                          num_attention_heads=4, num_key_value_heads=4)
+    path = save_hf_model(model, str(tmp_path / "llama16"))
+    prompts = [[256, *range(10 + 20 * i, 25 + 20 * i)] for i in range(3)]
+    expected = PagedHarness(load_model(path).model).generate(prompts, 40)
+    engine = start_engine("--model", path, "--device", "cpu", "--tensor-parallel-size", "2", "--kv-cache-memory", "1",
+                          "--max-model-len", "64", log_path=str(tmp_path / "tp.log"))
+    try:
+        with grpc.insecure_channel(engine.target) as channel:
+            stream = GenerateStream(pb_grpc.InferenceServiceStub(channel))
+            for i, prompt in enumerate(prompts):
+                stream.start(f"r{i}", token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(temperature=0.0),
+                             stopping=pb.StoppingCriteria(max_tokens=40, ignore_eos=True))
+            stream.wait_done({"r0", "r1", "r2"})
+            stream.close()
+        assert engine_metrics(engine)["inference_engine_preemptions_total"] >= 1
+        assert [stream.results[f"r{i}"].tokens for i in range(len(prompts))] == expected
     finally:
         engine.stop()
 
