@@ -6,13 +6,14 @@ NCCL takes 16-24 us for each (bench/gpu_tp.py's allreduce case). PyTorch's one-s
 rank reads its peers' buffers over NVLink and sums them in one kernel, with no ring and no proxy thread:
 about 7 us, and capturable in a CUDA graph.
 It is the latency-bound regime only: messages above `max_bytes` (prefill) go to NCCL, whose bandwidth wins.
-The engine uses it where it sets up (CUDA, peer access between the GPUs) unless
+The engine uses it where it sets up for every rank (CUDA, peer access between the group's GPUs) unless
 `--disable-custom-all-reduce`; anything else falls back to NCCL with a log line.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -20,6 +21,14 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 256 * 1024  # a [32, 4096] bf16 activation; larger batches are bandwidth-bound
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def missing_peer_access(own: int, devices: list[int], can_access: Callable[[int, int], bool]) -> str | None:
+    """Why GPU `own` cannot read the other ranks' GPUs `devices` directly (None: it can read them all)."""
+    for peer in devices:
+        if peer != own and not can_access(own, peer):
+            return f"GPU {own} cannot access GPU {peer} directly"
+    return None
 
 
 class SymmetricAllReduce:
@@ -37,13 +46,21 @@ class SymmetricAllReduce:
 
     @classmethod
     def try_create(cls, device: torch.device, world_size: int) -> SymmetricAllReduce | None:
-        """The fast path where it can work here, else None (NCCL does every all-reduce)."""
+        """The fast path where it can work for every rank, else None (NCCL does every all-reduce). Every rank
+        of the group calls it: they decide together (one rank alone in the rendezvous would wait forever)."""
         if device.type != "cuda" or world_size < 2:
             return None
+        import torch.distributed as dist
+
         try:
-            for peer in range(torch.cuda.device_count()):
-                if peer != device.index and not torch.cuda.can_device_access_peer(device.index, peer):
-                    raise RuntimeError(f"GPU {device.index} cannot access GPU {peer} directly")
+            devices: list[int | None] = [None] * world_size
+            dist.all_gather_object(devices, device.index)
+            problems: list[str | None] = [None] * world_size
+            dist.all_gather_object(problems, missing_peer_access(device.index, devices,
+                                                                 torch.cuda.can_device_access_peer))
+            problem = next((p for p in problems if p is not None), None)
+            if problem is not None:
+                raise RuntimeError(problem)
             return cls(device)
         except Exception as e:  # noqa: BLE001 - any failure here means "use NCCL", said once
             logger.warning("symmetric-memory all-reduce unavailable (%s); NCCL does every all-reduce", e)

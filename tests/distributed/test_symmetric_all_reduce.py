@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_service.distributed.symmetric_all_reduce import SymmetricAllReduce
+from inference_service.distributed.symmetric_all_reduce import SymmetricAllReduce, missing_peer_access
 
 
 def _gate(max_bytes: int) -> SymmetricAllReduce:
@@ -33,3 +33,15 @@ def test_a_non_contiguous_tensor_goes_to_the_collective():
 
 def test_no_symmetric_path_off_cuda():
     assert SymmetricAllReduce.try_create(torch.device("cpu"), 2) is None
+
+
+def test_only_the_groups_gpus_need_peer_access():
+    # GPUs 0 and 1 reach each other; GPU 2 (outside a group on 0 and 1) reaches neither.
+    links = {(0, 1), (1, 0)}
+
+    def can_access(a, b):
+        return (a, b) in links
+
+    assert missing_peer_access(0, [0, 1], can_access) is None
+    assert missing_peer_access(1, [0, 1], can_access) is None
+    assert missing_peer_access(0, [0, 1, 2], can_access) == "GPU 0 cannot access GPU 2 directly"
