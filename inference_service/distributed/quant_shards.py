@@ -52,8 +52,9 @@ class QuantizedShardReader:
             if axis is None or axis >= len(shape) or shape[axis] == 1:
                 parts[suffix] = tensor_slice[:]  # per tensor, or per channel along the other axis
                 continue
-            stored = _stored_shard(f"{prefix}.{suffix}", shard, axis, self._factor(suffix, shard.dim, logical_size,
-                                                                                   shape[axis]), logical_size)
+            name = f"{prefix}.{suffix}"
+            factor = self._factor(name, suffix, shard.dim, logical_size, shape[axis])
+            stored = _stored_shard(name, shard, axis, factor, logical_size)
             parts[suffix] = read_shard(tensor_slice, stored, None)
         if "weight_shape" in parts:  # compressed-tensors: the rank's [N, K]
             n, k = (_shard_size(shard, n), k) if shard.dim == 0 else (n, _shard_size(shard, k))
@@ -76,12 +77,13 @@ class QuantizedShardReader:
             return n, words * (32 // self.spec.bits)
         return tuple(slices["weight"].get_shape())
 
-    def _factor(self, suffix: str, dim: int, logical_size: int, stored_size: int) -> int:
+    def _factor(self, name: str, suffix: str, dim: int, logical_size: int, stored_size: int) -> int:
         """Logical rows or columns per stored one along the split axis (a word's values, a group, a block)."""
         if self.spec.method == QuantMethod.FP8 and suffix == "weight_scale_inv" and self.spec.fp8_block is not None:
             return self.spec.fp8_block[dim]
         if logical_size % stored_size:
-            raise UnsupportedModelError(f"tensor parallelism: cannot split a stored {stored_size} of {logical_size}")
+            raise UnsupportedModelError(f"{name}: {stored_size} stored rows or columns for {logical_size} do not "
+                                        f"split evenly for tensor parallelism")
         return logical_size // stored_size
 
     def _local_groups(self, prefix: str, g_idx: torch.Tensor, shard: TensorShard) -> torch.Tensor:

@@ -78,27 +78,28 @@ SLICED = [("blk.1.attn_output.weight", "model.layers.1.self_attn.o_proj.weight",
           ("blk.1.attn_v.weight", "model.layers.1.self_attn.v_proj.weight", 0)]
 
 
-def test_packed_shards_hold_the_blocks_of_the_dequantized_slices(gguf_path):
-    checkpoint = GGUFCheckpoint(gguf_path)
-    tensors = {t.name: t for t in checkpoint._reader.tensors}
-    for rank in (0, 1):
-        plan = ShardPlan(checkpoint.config, rank, 2)
-        for gguf_name, hf_name, _ in SLICED:
-            packed = read_gguf_shard_packed(tensors[gguf_name], plan.shard_of(hf_name))
-            expected = read_gguf_shard(tensors[gguf_name], plan.shard_of(hf_name))
-            np.testing.assert_array_equal(dequantize_packed(packed, torch.float32).numpy(), expected)
-
-
-def test_shards_are_slices_of_the_dequantized_tensors(gguf_path):
+def _shards(gguf_path):
+    """(rank, the GGUF tensor, its HF name's `TensorShard` on that rank of two, the split dim) of each `SLICED`."""
     checkpoint = GGUFCheckpoint(gguf_path)
     tensors = {t.name: t for t in checkpoint._reader.tensors}
     for rank in (0, 1):
         plan = ShardPlan(checkpoint.config, rank, 2)
         for gguf_name, hf_name, dim in SLICED:
-            full = GGUFCheckpoint._dequantize(tensors[gguf_name])
-            n = full.shape[dim] // 2
-            expected = full[rank * n:(rank + 1) * n] if dim == 0 else full[:, rank * n:(rank + 1) * n]
-            np.testing.assert_array_equal(read_gguf_shard(tensors[gguf_name], plan.shard_of(hf_name)), expected)
+            yield rank, tensors[gguf_name], plan.shard_of(hf_name), dim
+
+
+def test_packed_shards_hold_the_blocks_of_the_dequantized_slices(gguf_path):
+    for _, tensor, shard, _ in _shards(gguf_path):
+        packed = read_gguf_shard_packed(tensor, shard)
+        np.testing.assert_array_equal(dequantize_packed(packed, torch.float32).numpy(), read_gguf_shard(tensor, shard))
+
+
+def test_shards_are_slices_of_the_dequantized_tensors(gguf_path):
+    for rank, tensor, shard, dim in _shards(gguf_path):
+        full = GGUFCheckpoint._dequantize(tensor)
+        n = full.shape[dim] // 2
+        expected = full[rank * n:(rank + 1) * n] if dim == 0 else full[:, rank * n:(rank + 1) * n]
+        np.testing.assert_array_equal(read_gguf_shard(tensor, shard), expected)
 
 
 def test_two_ranks_match_one_process(gguf_path, tmp_path):
