@@ -11,7 +11,8 @@ on one node serve several times the streams one loop can. The parent:
 - Sockets: one listening socket per worker, all bound to the port with SO_REUSEPORT, so the kernel spreads
   new connections evenly over the workers. (With one shared socket, the first worker to wake accepts a
   whole burst of connections and the others idle.) The parent keeps every socket open, so a restarted
-  worker accepts on the same one and no connection is refused meanwhile.
+  worker accepts on the same one and no connection is refused meanwhile; once stopping, it closes them,
+  so a worker that has drained takes its socket with it and new connections reach the ones still draining.
 - Metrics: prometheus-client's multiprocess mode. The parent makes a fresh PROMETHEUS_MULTIPROC_DIR
   before any worker imports prometheus-client, marks a dead worker's live gauges gone, and deletes the
   folder at exit; any worker's /metrics sums every worker (`ProxyMetrics(multiprocess=True)`).
@@ -165,6 +166,11 @@ class WorkerSupervisor:
     def _stop_all(self) -> None:
         # NOTE: a second signal is passed on too: the workers' drain treats it as "stop now".
         self.is_stopping = True
+        # No worker is started from here on: the parent lets go of its copies of the sockets, so each one
+        # closes with its worker. (Held here, a drained worker's socket would keep taking connections that
+        # nobody accepts, and those clients would hang instead of reaching a worker still draining.)
+        for sock in self.sockets:
+            sock.close()
         for pid in list(self.pids):
             try:
                 os.kill(pid, signal.SIGTERM)

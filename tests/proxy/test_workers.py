@@ -182,6 +182,32 @@ def test_sigterm_drains_every_worker_then_removes_the_metrics_folder(workers_pro
     assert proxy.metrics_dirs() == []
 
 
+def test_connections_after_a_worker_has_drained_reach_one_still_draining(workers_proxy, engine):
+    # One stream keeps one worker draining for ~10 s; the idle one stops at once. Its socket must go with it:
+    # a connection the kernel hashed to it would otherwise wait in a backlog nobody accepts from.
+    proxy = workers_proxy(2, "--shutdown-timeout", "30")
+    pids = set(proxy.worker_requests())
+    engine.token_delay = 1.0
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(_stream_chat, proxy, "long drain")
+        wait_for(lambda: _metric(proxy.metrics(), "rest_proxy_sse_streams_open") == 1, 30, "the stream open")
+        proxy.process.send_signal(signal.SIGTERM)
+        wait_for(lambda: any(not _is_alive(pid) for pid in pids), 10, "the idle worker to exit")
+        for _ in range(16):  # each new connection is hashed anew: 16 on one socket of two has odds 2**-15
+            late = httpx.post(proxy.url + "/v1/completions", json={"model": "fake-model", "prompt": "hi"}, timeout=3)
+            assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+        assert stream.result(60) == DEFAULT_TEXT
+    assert proxy.process.wait(30) == 0
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def test_a_dead_worker_is_replaced_and_totals_keep_its_counts(workers_proxy, engine):
     proxy = workers_proxy(2)
     with ThreadPoolExecutor(8) as pool:
