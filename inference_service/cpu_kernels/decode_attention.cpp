@@ -3,9 +3,14 @@
 // One call per layer writes the step's keys and values into the cache and attends every (sequence, kv
 // head) pair: the pair's G query heads share each key and value row as it is read. Scores, softmax and
 // the weighted sum are float32 (the max subtracted before exp, as softmax does), so results equal the
-// torch path's up to summation order.
+// torch path's up to summation order (and the AVX-512 path's exp, within 2 ulp of libm's).
+//
+// Paths: AVX-512 for head_dim 16-256 in steps the kernel has (decode_attention_avx512.cpp), when the
+// quantized matmul uses AVX-512 too (`limit_instruction_set` caps both); the generic one otherwise.
 
 #include "ops.h"
+
+#include "attention_pair.h"
 
 #include "worker_pool.h"
 
@@ -26,6 +31,29 @@ inline float dot(const float* a, const float* b, int64_t n) {
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// The generic path: any head_dim, the compiler's vectors for the baseline ISA, libm's exp.
+void attend_pair(const attention::PairArgs& a) {
+  const int64_t len = a.len, head_dim = a.head_dim;
+  float* scores = a.scores;
+  for (int64_t t = 0; t < len; ++t) {
+    const float* key = a.keys + a.slot_of(t) * a.row_stride;
+    for (int64_t g = 0; g < a.group; ++g) scores[g * len + t] = dot(a.queries + g * a.query_stride, key, head_dim) * a.scale;
+  }
+  for (int64_t g = 0; g < a.group; ++g) {
+    float* sc = scores + g * len;
+    const float max_score = *std::max_element(sc, sc + len);
+    float total = 0.f;
+    for (int64_t t = 0; t < len; ++t) total += (sc[t] = std::exp(sc[t] - max_score));
+    const float inv_total = 1.f / total;
+    for (int64_t t = 0; t < len; ++t) sc[t] *= inv_total;
+  }
+  std::fill_n(a.out, a.group * head_dim, 0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    const float* value = a.values + a.slot_of(t) * a.row_stride;
+    for (int64_t g = 0; g < a.group; ++g) axpy(scores[g * len + t], value, a.out + g * head_dim, head_dim);
+  }
 }
 
 }  // namespace
@@ -72,32 +100,17 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   torch::Tensor out = torch::empty({num_seqs, num_heads, head_dim}, q.options());
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const bool avx512 = uses_avx512();
   WorkerPool::instance().run(0, num_seqs * num_kv_heads, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores;
     for (int64_t pair = first; pair < last; ++pair) {
-      const int64_t s = pair / num_kv_heads, h = pair % num_kv_heads, len = lens[s];
-      scores.assign(group * len, 0.f);
-      const float* qs = qp + s * q.stride(0) + h * group * q.stride(1);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = (int64_t)tables[s * table_stride + t / block_size] * block_size + t % block_size;
-        const float* key = kc + slot * row + h * head_dim;
-        for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(qs + g * q.stride(1), key, head_dim) * (float)scale;
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sc = scores.data() + g * len;
-        const float max_score = *std::max_element(sc, sc + len);
-        float total = 0.f;
-        for (int64_t t = 0; t < len; ++t) total += (sc[t] = std::exp(sc[t] - max_score));
-        const float inv_total = 1.f / total;
-        for (int64_t t = 0; t < len; ++t) sc[t] *= inv_total;
-      }
-      float* os = op + (s * num_heads + h * group) * head_dim;
-      std::fill_n(os, group * head_dim, 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = (int64_t)tables[s * table_stride + t / block_size] * block_size + t % block_size;
-        const float* value = vc + slot * row + h * head_dim;
-        for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t], value, os + g * head_dim, head_dim);
-      }
+      const int64_t s = pair / num_kv_heads, h = pair % num_kv_heads;
+      scores.resize(group * lens[s]);
+      const attention::PairArgs args{qp + s * q.stride(0) + h * group * q.stride(1), q.stride(1), group,
+                                     kc + h * head_dim, vc + h * head_dim, row, tables + s * table_stride,
+                                     block_size, lens[s], head_dim, (float)scale, scores.data(),
+                                     op + (s * num_heads + h * group) * head_dim};
+      if (!(avx512 && attention::attend_pair_avx512(args))) attend_pair(args);
     }
   });
   return out;

@@ -9,6 +9,7 @@
 
 #include "worker_pool.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -60,14 +61,16 @@ void rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& si
   const float* sp = sin_signed.data_ptr<float>();
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
   WorkerPool::instance().run(0, num_tokens, 64, [&](int64_t first, int64_t last) {
-    std::vector<float> rolled(head_dim);
+    std::vector<float> low(half);
     for (int64_t t = first; t < last; ++t) {
       const float* c = cp + t * head_dim;
       const float* s = sp + t * head_dim;
       for (int64_t h = 0; h < num_heads; ++h) {
         float* v = xp + t * token_stride + h * head_stride;
-        for (int64_t i = 0; i < head_dim; ++i) rolled[i] = v[(i + half) % head_dim];
-        for (int64_t i = 0; i < head_dim; ++i) v[i] = v[i] * c[i] + rolled[i] * s[i];
+        // roll(v, D / 2) is v's halves swapped: two straight loops the compiler vectorizes (no index modulo)
+        std::copy_n(v, half, low.data());
+        for (int64_t i = 0; i < half; ++i) v[i] = v[i] * c[i] + v[i + half] * s[i];
+        for (int64_t i = 0; i < half; ++i) v[half + i] = v[half + i] * c[half + i] + low[i] * s[half + i];
       }
     }
   });

@@ -305,6 +305,8 @@ static const char* isa_name(Isa isa) { return isa == Isa::kAvx512 ? "avx512" : i
 
 std::string instruction_set() { return isa_name(active_isa()); }
 
+bool uses_avx512() { return active_isa() == Isa::kAvx512; }
+
 // Caps the path used from now on at `name` ("avx512", "avx2" or "scalar"); returns the path in effect.
 std::string limit_instruction_set(const std::string& name) {
   TORCH_CHECK(name == "avx512" || name == "avx2" || name == "scalar", "unknown instruction set ", name);

@@ -11,6 +11,7 @@ import torch
 from harness import build_metadata
 from inference_service.attention.backend import AttentionBackend, get_attention_backend
 from inference_service.attention.torch_paged import TorchPagedAttention
+from inference_service.cpu_kernels.quant import load_extension
 
 
 def dense_attention(q, k, v, scale):
@@ -86,15 +87,47 @@ def test_mixed_prefill_and_decode(num_heads, num_kv_heads, head_dim, block_size)
              cached_lens=[0, 9, 17, 0, 3], query_lens=[7, 5, 1, 1, 1], seed=head_dim)
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def cpu_isa(request):
+    """The C++ attention's SIMD paths: AVX-512 (head dims it has a kernel for) and the generic one."""
+    ext = load_extension()
+    if ext is None:
+        pytest.skip("the CPU kernels did not build here")
+    ext.limit_instruction_set(request.param)
+    yield request.param
+    ext.limit_instruction_set("avx512")
+
+
 @pytest.mark.parametrize("use_cpu_kernels", [True, False], ids=["cpp", "torch"])
 @pytest.mark.parametrize("seed", range(3))
-def test_decode_only_batches(seed, use_cpu_kernels):
+def test_decode_only_batches(seed, use_cpu_kernels, cpu_isa):
     """Decode-only steps: the C++ kernel (one call per layer) and the torch ops, each against the reference."""
     rng = random.Random(seed)
     cached = [rng.randint(0, 40) for _ in range(6)]
     run_case(6, 2, 16, 4, cached_lens=cached, query_lens=[1] * 6, seed=seed, use_cpu_kernels=use_cpu_kernels)
     run_case(9, 3, 64, 16, cached_lens=[rng.randint(0, 300) for _ in range(3)], query_lens=[1] * 3, seed=seed,
              use_cpu_kernels=use_cpu_kernels)
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 128, 48])
+def test_cpp_decode_head_dims_and_context_edges(head_dim, cpu_isa):
+    """Every head dim the AVX-512 kernel has (48: none, the generic path), contexts of one token, of whole
+    16-score registers and just past them."""
+    run_case(8, 2, head_dim, 16, cached_lens=[0, 15, 31, 32, 47], query_lens=[1] * 5, seed=head_dim)
+
+
+def test_cpp_decode_softmax_of_far_apart_scores(cpu_isa):
+    """Scores hundreds apart: most weights underflow to zero, the largest dominate (the vector exp's range)."""
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(8, 16, 1, 64, generator=gen) * 4
+    v_cache = torch.randn(8, 16, 1, 64, generator=gen)
+    q, k, v = (torch.randn(1, h, 64, generator=gen) * 4 for h in (4, 1, 1))
+    metadata = build_metadata([100], [1], [[5, 2, 7, 0, 3, 6, 1]], 16)
+    context_k = torch.cat([k_cache[[5, 2, 7, 0, 3, 6, 1]].reshape(-1, 1, 64)[:100], k])
+    context_v = torch.cat([v_cache[[5, 2, 7, 0, 3, 6, 1]].reshape(-1, 1, 64)[:100], v])
+    out = TorchPagedAttention(use_cpu_kernels=True).forward(q, k, v, k_cache, v_cache, metadata, 1.0)
+    # Scores near 300 carry float32 rounding of ~3e-5 into their exp: hence the tolerance, on either path.
+    torch.testing.assert_close(out, dense_attention(q, context_k, context_v, 1.0), atol=1e-4, rtol=1e-3)
 
 
 @pytest.mark.parametrize("use_cpu_kernels", [True, False], ids=["cpp", "torch"])
