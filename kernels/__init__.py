@@ -11,6 +11,7 @@ from kernels.decode_attention import paged_decode_attention
 from kernels.fp8_gemm import Fp8Weight, fp8_linear, fp8_matmul_ref
 from kernels.gemv import MAX_GEMV_ROWS, gemv, gemv_ref
 from kernels.moe import align_pairs_by_expert, fused_moe, fused_moe_ref
+from kernels.moe_route import moe_route
 from kernels.kv_write import quantize_fp8_ref, write_kv_cache, write_kv_cache_ref
 from kernels.quant_gemm import quant_matmul
 from kernels.quant_layout import IntPackedWeight, dequantize_int, quant_matmul_ref
@@ -36,6 +37,7 @@ __all__ = [
     "fused_moe_ref",
     "gemv",
     "gemv_ref",
+    "moe_route",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "paged_prefill_attention",

@@ -18,8 +18,9 @@ capturable); blocks past the last expert's are marked with expert E and return a
 
 Decode steps have few pairs, nearly all on different experts: there the alignment's small device ops and
 BLOCK_M rows of mostly padding cost more than the weights they read. With at most `decode_max_pairs` pairs
-both projections run as GEMVs instead, one program a (pair, BLOCK_N tile), each reading its expert's
-rows straight from `topk_ids` (no sort, no padding).
+both projections run as GEMVs instead, reading the experts' rows straight from `topk_ids` (no sort, no
+padding): gate_up one program a (pair, BLOCK_N tile), down one a (token, BLOCK_N tile) that also
+combines the token's k pairs (no y, no separate sum).
 """
 
 from __future__ import annotations
@@ -101,48 +102,79 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
-def _moe_gemv_kernel(
-    a_ptr,  # GATED: x [T, K] (row = pair // TOP_K); else h [T * k, K] (row = pair)
-    w_ptr,  # [E, N_W, K] as in _moe_gemm_kernel
+def _moe_gate_up_gemv_kernel(
+    x_ptr,  # [T, K]; pair p reads row p // TOP_K
+    w_ptr,  # [E, 2 N, K]: gate rows then up rows
     out_ptr,  # [T * k, N]
-    pair_weight_ptr,  # [T * k] float32 router weights (read when WEIGHTED)
     expert_ids_ptr,  # [T * k] the pairs' experts (topk_ids flattened)
     N,
     K,
-    stride_a,
+    stride_x,
     stride_we,
     stride_wn,
     stride_o,
     TOP_K: tl.constexpr,
-    GATED: tl.constexpr,
-    WEIGHTED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """h[p] = silu(x W_gate[e]^T) * (x W_up[e]^T) for one pair p and one BLOCK_N tile of h's columns."""
     pair = tl.program_id(0)
     expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
-    row = (pair // TOP_K) if GATED else pair
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    a_row = a_ptr + row.to(tl.int64) * stride_a
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
     w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
-        a = tl.load(a_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # [1, BK]
+        a = tl.load(x_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # [1, BK]
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + (k0 + offs_k)[None, :], mask=w_mask, other=0.0)  # [BN, BK]
         acc += tl.sum(w.to(tl.float32) * a, axis=1)
-        if GATED:
-            w_up = tl.load(w_rows + N * stride_wn + (k0 + offs_k)[None, :], mask=w_mask, other=0.0)
-            acc_up += tl.sum(w_up.to(tl.float32) * a, axis=1)
-    if GATED:
-        acc = acc * tl.sigmoid(acc) * acc_up
-    if WEIGHTED:
-        acc = acc * tl.load(pair_weight_ptr + pair)
+        w_up = tl.load(w_rows + N * stride_wn + (k0 + offs_k)[None, :], mask=w_mask, other=0.0)
+        acc_up += tl.sum(w_up.to(tl.float32) * a, axis=1)
+    acc = acc * tl.sigmoid(acc) * acc_up
     tl.store(out_ptr + pair.to(tl.int64) * stride_o + offs_n, cast(acc, out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _moe_down_combine_kernel(
+    h_ptr,  # [T * k, K] the pairs' gated activations
+    w_ptr,  # [E, N, K] down_proj
+    out_ptr,  # [T, N]
+    pair_weight_ptr,  # [T * k] float32 router weights
+    expert_ids_ptr,  # [T * k]
+    N,
+    K,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_o,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[t] = sum_j round(w[t, j] * h[t k + j] W_down[e_j]^T): the down GEMVs of one token's k pairs and
+    their combine in one program (rounded per pair to out's dtype, summed in fp32, as y and torch.sum were)."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = token * TOP_K + j
+        expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
+        w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (k0 + offs_k) < K
+            a = tl.load(h_ptr + pair * stride_h + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(w_rows + (k0 + offs_k)[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a, axis=1)
+        total += cast(acc * tl.load(pair_weight_ptr + pair), out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + token * stride_o + offs_n, cast(total, out_ptr.dtype.element_ty), mask=n_mask)
 
 
 def decode_max_pairs(num_experts: int, top_k: int) -> int:
@@ -220,10 +252,10 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     pair_weights = topk_weights.reshape(-1).to(torch.float32)
     h = torch.empty((num_pairs, intermediate), dtype=x.dtype, device=x.device)
-    y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     if use_gemv if use_gemv is not None else num_pairs <= decode_max_pairs(num_experts, top_k):
-        _gemv_pairs(x, gate_up_proj, down_proj, h, y, pair_weights, topk_ids, top_k, block_n, block_k, num_warps)
-        return torch.sum(y.view(num_tokens, top_k, hidden), dim=1, out=out)
+        _gemv_pairs(x, gate_up_proj, down_proj, h, out, pair_weights, topk_ids, top_k, block_n, block_k, num_warps)
+        return out
+    y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     # NOTE: few pairs per expert at decode: a small BLOCK_M wastes less of each block on padding.
     block_m = block_m or (16 if num_pairs <= 4 * num_experts else 32)
     sorted_pairs, block_expert = align_pairs_by_expert(topk_ids, num_experts, block_m)
@@ -244,21 +276,22 @@ def fused_moe(
     return torch.sum(y.view(num_tokens, top_k, hidden), dim=1, out=out)
 
 
-def _gemv_pairs(x, gate_up_proj, down_proj, h, y, pair_weights, topk_ids, top_k, block_n, block_k,
+def _gemv_pairs(x, gate_up_proj, down_proj, h, out, pair_weights, topk_ids, top_k, block_n, block_k,
                 num_warps) -> None:
-    """h = the gated MLP input of every pair, y = its weighted down projection: one program a (pair, tile)."""
+    """h = the gated MLP input of every pair (one program a (pair, tile)), then out = each token's weighted
+    down projections summed (one program a (token, tile), its k pairs in turn)."""
     ids = topk_ids.reshape(-1)
     # NOTE: chosen by bench/moe_kernel_tune.py on an H100 at Qwen3-30B-A3B's shapes (2026-11-26): at 1 and 4
     # tokens 37 and 108 us against 56 and 134 with 16 columns on 4 warps.
     block_n, block_k = block_n or 8, block_k or (32 if is_interpreter() else 256)
     extra = {} if is_interpreter() else {"num_warps": num_warps or 8}
-    intermediate, hidden = h.shape[1], y.shape[1]
-    for a, w, o, n, k, gated in ((x, gate_up_proj, h, intermediate, hidden, True),
-                                 (h, down_proj, y, hidden, intermediate, False)):
-        grid = (ids.shape[0], triton.cdiv(n, block_n))
-        _moe_gemv_kernel[grid](a, w, o, pair_weights, ids, n, k, a.stride(0), w.stride(0), w.stride(1), o.stride(0),
-                               TOP_K=top_k, GATED=gated, WEIGHTED=not gated, BLOCK_N=block_n, BLOCK_K=block_k,
-                               **extra)
+    intermediate, hidden = h.shape[1], out.shape[1]
+    _moe_gate_up_gemv_kernel[(ids.shape[0], triton.cdiv(intermediate, block_n))](
+        x, gate_up_proj, h, ids, intermediate, hidden, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
+        h.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, **extra)
+    _moe_down_combine_kernel[(out.shape[0], triton.cdiv(hidden, block_n))](
+        h, down_proj, out, pair_weights, ids, hidden, intermediate, h.stride(0), down_proj.stride(0),
+        down_proj.stride(1), out.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, **extra)
 
 
 def fused_moe_ref(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,

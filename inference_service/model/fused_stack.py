@@ -104,7 +104,10 @@ class FusedStack:
         hidden, residual = _add_rms_norm(layer.post_attention_layernorm, hidden, residual)
         if isinstance(layer.mlp, SparseMoE):
             moe = layer.mlp
-            weights, ids = route(moe, hidden)
+            # A decode batch routes in one kernel; prefill keeps the library ops (one program a token
+            # would read the whole router each).
+            weights, ids = (kernels.moe_route(hidden, moe.gate.weight, moe.top_k, moe.renormalize)
+                            if hidden.shape[0] <= kernels.MAX_GEMV_ROWS else route(moe, hidden))
             return kernels.fused_moe(hidden, moe.experts.gate_up_proj, moe.experts.down_proj, weights, ids), residual
         return layer.mlp.down_proj(kernels.silu_and_mul(layer.mlp.gate_up_proj(hidden))), residual  # [T, H]
 

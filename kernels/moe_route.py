@@ -1,0 +1,95 @@
+"""A mixture-of-experts router in one kernel: router logits, softmax, top-k and renormalization.
+
+    logits[t]  = x[t] W_router^T, rounded to x's dtype (as the router's own linear layer rounds them)
+    probs[t]   = softmax(logits[t]) in float32 over all E experts
+    ids[t]     = the k largest probs, largest first (ties: the lower expert id first)
+    weights[t] = probs[t, ids[t]], divided by their sum when `renormalize`, rounded to x's dtype
+
+This is `model/moe.route` (HF's routers: linear, float32 softmax, `torch.topk`, optional renormalization)
+for a decode step, where its six small launches (linear, softmax, topk, sum, divide, cast) cost a
+Qwen3-MoE layer more than its router reads. One program a token holds all E logits in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import ACT_DTYPES, cast, is_interpreter, next_pow2, require, require_dtype, require_same_device
+
+# Router rows (experts) one program holds; Qwen3-MoE has 128, Mixtral 8, DeepSeek-V3 256.
+MAX_ROUTE_EXPERTS = 256
+
+
+@triton.jit
+def _moe_route_kernel(
+    x_ptr,  # [T, H]
+    w_ptr,  # [E, H] router weight
+    weights_ptr,  # [T, TOP_K] float32 out
+    ids_ptr,  # [T, TOP_K] int64 out
+    E,
+    H,
+    stride_x,
+    stride_w,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)
+    e_mask = offs_e < E
+    offs_h = tl.arange(0, BLOCK_H)
+    logits = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h_mask = (h0 + offs_h) < H
+        x = tl.load(x_ptr + token * stride_x + h0 + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_e[:, None] * stride_w + (h0 + offs_h)[None, :],
+                    mask=e_mask[:, None] & h_mask[None, :], other=0.0)  # [BE, BH]
+        logits += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    logits = cast(logits, x_ptr.dtype.element_ty).to(tl.float32)  # the linear layer's output dtype
+    logits = tl.where(e_mask, logits, float("-inf"))
+    probs = tl.exp(logits - tl.max(logits, axis=0))
+    probs = probs / tl.sum(probs, axis=0)
+    offs_k = tl.arange(0, BLOCK_K)
+    top_weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    top_ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=0)
+        expert = tl.min(tl.where(probs == best, offs_e, BLOCK_E), axis=0)  # the lowest id among ties
+        probs = tl.where(offs_e == expert, -1.0, probs)  # taken (masked experts hold 0 or -1: never above)
+        top_weights = tl.where(offs_k == j, best, top_weights)
+        top_ids = tl.where(offs_k == j, expert.to(tl.int64), top_ids)
+    if RENORMALIZE:
+        top_weights = top_weights / tl.sum(top_weights, axis=0)
+    k_mask = offs_k < TOP_K
+    tl.store(weights_ptr + token * TOP_K + offs_k, cast(top_weights, x_ptr.dtype.element_ty).to(tl.float32), mask=k_mask)
+    tl.store(ids_ptr + token * TOP_K + offs_k, top_ids, mask=k_mask)
+
+
+def moe_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
+              renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H], router_weight [E, H] -> (weights [T, k] float32 holding values of x's dtype, expert ids
+    [T, k] int64), as `model/moe.route` computes them (see the module doc)."""
+    require(x.dim() == 2 and router_weight.dim() == 2 and router_weight.shape[1] == x.shape[1],
+            f"x {tuple(x.shape)} and router_weight {tuple(router_weight.shape)}: expected [T, H] and [E, H]")
+    num_tokens, hidden = x.shape
+    num_experts = router_weight.shape[0]
+    require(0 < top_k <= num_experts, f"top_k must be in [1, {num_experts}] (the experts), got {top_k}")
+    require(num_experts <= MAX_ROUTE_EXPERTS, f"{num_experts} experts: at most {MAX_ROUTE_EXPERTS}")
+    require_dtype("x", x, ACT_DTYPES)
+    require(router_weight.dtype == x.dtype, f"router_weight: dtype {router_weight.dtype} differs from x's {x.dtype}")
+    require(x.stride(1) == 1 and router_weight.stride(1) == 1, "x and router_weight rows must be contiguous")
+    require_same_device(x=x, router_weight=router_weight)
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=x.device)
+    if num_tokens:
+        block_e = next_pow2(num_experts)
+        block_h = 32 if is_interpreter() else max(16, min(next_pow2(hidden), 8192 // block_e))
+        extra = {} if is_interpreter() else {"num_warps": 4}
+        _moe_route_kernel[(num_tokens,)](x, router_weight, weights, ids, num_experts, hidden, x.stride(0),
+                                         router_weight.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
+                                         BLOCK_K=next_pow2(top_k), BLOCK_E=block_e, BLOCK_H=block_h, **extra)
+    return weights, ids
