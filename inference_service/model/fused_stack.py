@@ -16,9 +16,12 @@ projection is `kernels.gemv`, with the RMSNorm computed in the qkv and gate_up p
 the SiLU gate in the down projection's, and the residual adds in the o and down projections'
 epilogues. A layer then launches qkv, rotary, attention, o, gate_up and down (plus the KV write);
 on tensor-parallel shards, plus the o and down projections' all-reduces.
-That path reads the projections' dense weights, so it is taken only when every projection is a
-`DenseLinear` (a quantized Linear variant runs the general path, through its own `forward`) and no
-MLP is a mixture of experts (those run `kernels.fused_moe`: tokens sorted by expert, grouped GEMM).
+Projections kept in the packed integer layout (int4 / int8: GPTQ, AWQ, compressed-tensors, GGUF,
+in-situ) run `kernels.quant_matmul` there with the same options, on batches of up to
+`QUANT_GEMV_FASTER_ROWS` rows (past those the tensor-core GEMM beats the quantized GEMV). The path is
+taken only when every projection is one of those two (fp8 weights, and parts kept apart, run the
+general path through their own `forward`) and no MLP is a mixture of experts (those run
+`kernels.fused_moe`: tokens sorted by expert, grouped GEMM).
 
 Every step is CUDA-graph capturable: no host syncs and no branches on tensor values. This module
 imports Triton; `DecoderModel` imports it only when it picks this stack.
@@ -37,7 +40,10 @@ from inference_service.model.layers import Attention, DecoderLayer
 from inference_service.model.linear import DenseLinear
 from inference_service.model.moe import SparseMoE, route
 from inference_service.model.norms import RMSNorm
+from inference_service.model.quantized_linear import QuantizedLinear
 from inference_service.model.rope import kernel_cos_sin_cache
+from kernels.quant_gemv import QUANT_GEMV_FASTER_ROWS
+from kernels.quant_layout import IntPackedWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -70,17 +76,29 @@ class FusedStack:
                  dtype: torch.dtype, device: torch.device | str):
         self.layers, self.norm, self.backend, self.dtype = layers, norm, backend, dtype
         self.cos_sin_cache = kernel_cos_sin_cache(config, device)  # [P, D] float32
-        self.can_fold_gemv = all(not isinstance(layer.mlp, SparseMoE) and isinstance(module, DenseLinear)
-                                 for layer in layers
-                                 for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                getattr(layer.mlp, "gate_up_proj", None),
-                                                getattr(layer.mlp, "down_proj", None)))
+        # Whether decode batches take the folded path, and up to how many rows: planned at the first step,
+        # once the weights are loaded (packed, quantized in situ, sharded).
+        self.can_fold_gemv: bool | None = None
+        self.max_fold_rows = 0
+
+    def plan_folding(self) -> None:
+        """Sets `can_fold_gemv` and `max_fold_rows` from the projections as loaded."""
+        projections = [_dense(module) for layer in self.layers
+                       for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                      getattr(layer.mlp, "gate_up_proj", None), getattr(layer.mlp, "down_proj", None))]
+        self.can_fold_gemv = (not any(isinstance(layer.mlp, SparseMoE) for layer in self.layers)
+                              and all(isinstance(p, DenseLinear) or _int_packed(p) is not None for p in projections))
+        # The quantized GEMV loses to the tensor-core GEMM past QUANT_GEMV_FASTER_ROWS (bench/gpu_quant.py).
+        self.max_fold_rows = (QUANT_GEMV_FASTER_ROWS if any(_int_packed(p) is not None for p in projections)
+                              else kernels.MAX_GEMV_ROWS)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata) -> torch.Tensor:
         """hidden [T, H] embeddings -> the residual stream after the last layer [T, H]."""
         residual = None
-        folds = self.can_fold_gemv and uses_gemv(hidden, self.dtype)
+        if self.can_fold_gemv is None:
+            self.plan_folding()
+        folds = self.can_fold_gemv and uses_gemv(hidden, self.dtype) and hidden.shape[0] <= self.max_fold_rows
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             if folds:
                 hidden, residual = None, self._layer_gemv(layer, hidden, residual, positions, kv_cache, metadata)
@@ -121,14 +139,12 @@ class FusedStack:
         else:
             stream = hidden if residual is None else hidden + residual  # the first layer: the embeddings
         attn, mlp = layer.self_attn, layer.mlp
-        qkv_proj, gate_up_proj = _dense(attn.qkv_proj), _dense(mlp.gate_up_proj)
-        qkv = kernels.gemv(stream, qkv_proj.weight, qkv_proj.bias, norm_weight=layer.input_layernorm.weight,
-                           eps=layer.input_layernorm.eps)  # [T, q + 2 kv]
+        qkv = _skinny_matmul(_dense(attn.qkv_proj), stream, norm_weight=layer.input_layernorm.weight,
+                             eps=layer.input_layernorm.eps)  # [T, q + 2 kv]
         out = self._attend(attn, qkv, positions, kv_cache, metadata)  # [T, q]
         stream = _gemv_into_stream(attn.o_proj, out, stream)
-        gate_up = kernels.gemv(stream, gate_up_proj.weight, gate_up_proj.bias,
-                               norm_weight=layer.post_attention_layernorm.weight,
-                               eps=layer.post_attention_layernorm.eps)  # [T, 2 I]
+        gate_up = _skinny_matmul(_dense(mlp.gate_up_proj), stream, norm_weight=layer.post_attention_layernorm.weight,
+                                 eps=layer.post_attention_layernorm.eps)  # [T, 2 I]
         return _gemv_into_stream(mlp.down_proj, gate_up, stream, gated=True)  # [T, H]
 
     def _attend(self, attn: Attention, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
@@ -155,20 +171,37 @@ class FusedStack:
         return out.reshape(num_tokens, attn.q_size)
 
 
-def _dense(module) -> DenseLinear:
-    """The `DenseLinear` holding a projection's weight: the module, or on a tensor-parallel rank the
-    shard its column- or row-parallel wrapper holds (`model/parallel_linear.py`)."""
+def _dense(module):
+    """The Linear holding a projection's weight (a `DenseLinear` or a `QuantizedLinear`): the module, or
+    on a tensor-parallel rank the shard its column- or row-parallel wrapper holds (`model/parallel_linear.py`)."""
     return getattr(module, "local", module)
+
+
+def _int_packed(linear) -> IntPackedWeight | None:
+    """The one packed integer weight a `QuantizedLinear` runs on, if that is what it runs on."""
+    if isinstance(linear, QuantizedLinear) and len(linear.packed_parts()) == 1:
+        weight = linear.packed_parts()[0]
+        return weight if isinstance(weight, IntPackedWeight) else None
+    return None
+
+
+def _skinny_matmul(linear, x: torch.Tensor, **options) -> torch.Tensor:
+    """x W^T (+ b) [T, out] for a decode batch, with the fused decoder's options (`norm_weight`/`eps`,
+    `gated`, `residual`: see `kernels.gemv`) over a dense or an int-packed weight."""
+    packed = _int_packed(linear)
+    if packed is not None:
+        return kernels.quant_matmul(x, packed, linear.bias, **options)
+    return kernels.gemv(x, linear.weight, linear.bias, **options)
 
 
 def _gemv_into_stream(module, x: torch.Tensor, stream: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """stream + x W^T (+ b) [T, H]: the o or down projection's output added into the residual stream.
     On a tensor-parallel rank each rank's partial sum is all-reduced, and only rank 0 adds the stream
     (and holds the bias) in its epilogue, so both are counted once in the sum."""
-    dense, group = _dense(module), getattr(module, "group", None)
+    linear, group = _dense(module), getattr(module, "group", None)
     if group is None:
-        return kernels.gemv(x, dense.weight, dense.bias, gated=gated, residual=stream)
-    partial = kernels.gemv(x, dense.weight, dense.bias, gated=gated, residual=stream if group.is_driver else None)
+        return _skinny_matmul(linear, x, gated=gated, residual=stream)
+    partial = _skinny_matmul(linear, x, gated=gated, residual=stream if group.is_driver else None)
     return group.all_reduce(partial)
 
 
