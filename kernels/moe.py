@@ -36,6 +36,7 @@ from kernels._common import (
     dot_upcast,
     is_interpreter,
     mma,
+    next_pow2,
     require,
     require_dtype,
     require_same_device,
@@ -153,27 +154,35 @@ def _moe_down_combine_kernel(
     stride_wn,
     stride_o,
     TOP_K: tl.constexpr,
+    BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """out[t] = sum_j round(w[t, j] * h[t k + j] W_down[e_j]^T): the down GEMVs of one token's k pairs and
-    their combine in one program (rounded per pair to out's dtype, summed in fp32, as y and torch.sum were)."""
+    their combine in one program (rounded per pair to out's dtype, summed in fp32, as y and torch.sum were).
+    The k experts' tiles are loaded together, [BLOCK_J, BLOCK_N, BLOCK_K] a step, so a program keeps as
+    many loads in flight as k programs of one pair each did."""
     token = tl.program_id(0).to(tl.int64)
+    offs_j = tl.arange(0, BLOCK_J)
+    j_mask = offs_j < TOP_K
+    pairs = token * TOP_K + offs_j  # [BJ]
+    experts = tl.load(expert_ids_ptr + pairs, mask=j_mask, other=0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = token * TOP_K + j
-        expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
-        w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = (k0 + offs_k) < K
-            a = tl.load(h_ptr + pair * stride_h + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-            w = tl.load(w_rows + (k0 + offs_k)[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * a, axis=1)
-        total += cast(acc * tl.load(pair_weight_ptr + pair), out_ptr.dtype.element_ty).to(tl.float32)
+    w_rows = (w_ptr + experts[:, None, None] * stride_we
+              + offs_n.to(tl.int64)[None, :, None] * stride_wn)  # [BJ, BN, 1]
+    h_rows = h_ptr + pairs[:, None] * stride_h  # [BJ, 1]
+    acc = tl.zeros((BLOCK_J, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        a = tl.load(h_rows + (k0 + offs_k)[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0)  # [BJ, BK]
+        w = tl.load(w_rows + (k0 + offs_k)[None, None, :],
+                    mask=j_mask[:, None, None] & n_mask[None, :, None] & k_mask[None, None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], axis=2)
+    pair_weights = tl.load(pair_weight_ptr + pairs, mask=j_mask, other=0.0)  # [BJ]
+    per_pair = cast(acc * pair_weights[:, None], out_ptr.dtype.element_ty).to(tl.float32)
+    total = tl.sum(tl.where(j_mask[:, None], per_pair, 0.0), axis=0)
     tl.store(out_ptr + token * stride_o + offs_n, cast(total, out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -291,7 +300,8 @@ def _gemv_pairs(x, gate_up_proj, down_proj, h, out, pair_weights, topk_ids, top_
         h.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, **extra)
     _moe_down_combine_kernel[(out.shape[0], triton.cdiv(hidden, block_n))](
         h, down_proj, out, pair_weights, ids, hidden, intermediate, h.stride(0), down_proj.stride(0),
-        down_proj.stride(1), out.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, **extra)
+        down_proj.stride(1), out.stride(0), TOP_K=top_k, BLOCK_J=next_pow2(top_k), BLOCK_N=block_n,
+        BLOCK_K=max(16, block_k // next_pow2(top_k)), **extra)
 
 
 def fused_moe_ref(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
