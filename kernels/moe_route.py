@@ -65,7 +65,8 @@ def _moe_route_kernel(
     if RENORMALIZE:
         top_weights = top_weights / tl.sum(top_weights, axis=0)
     k_mask = offs_k < TOP_K
-    tl.store(weights_ptr + token * TOP_K + offs_k, cast(top_weights, x_ptr.dtype.element_ty).to(tl.float32), mask=k_mask)
+    top_weights = cast(top_weights, x_ptr.dtype.element_ty).to(tl.float32)  # the router's output dtype
+    tl.store(weights_ptr + token * TOP_K + offs_k, top_weights, mask=k_mask)
     tl.store(ids_ptr + token * TOP_K + offs_k, top_ids, mask=k_mask)
 
 

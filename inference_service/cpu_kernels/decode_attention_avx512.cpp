@@ -11,7 +11,7 @@
 
 #include <algorithm>
 
-#define AVX512_FN __attribute__((target("avx512f,avx512dq,avx2,fma")))
+#define AVX512_FN __attribute__((target("avx512f,avx2,fma")))
 
 namespace attention {
 namespace {

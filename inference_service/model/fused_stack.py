@@ -83,7 +83,7 @@ class FusedStack:
 
     def plan_folding(self) -> None:
         """Sets `can_fold_gemv` and `max_fold_rows` from the projections as loaded."""
-        projections = [_dense(module) for layer in self.layers
+        projections = [_local_linear(module) for layer in self.layers
                        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                       getattr(layer.mlp, "gate_up_proj", None), getattr(layer.mlp, "down_proj", None))]
         self.can_fold_gemv = (not any(isinstance(layer.mlp, SparseMoE) for layer in self.layers)
@@ -139,11 +139,12 @@ class FusedStack:
         else:
             stream = hidden if residual is None else hidden + residual  # the first layer: the embeddings
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = _skinny_matmul(_dense(attn.qkv_proj), stream, norm_weight=layer.input_layernorm.weight,
+        qkv = _skinny_matmul(_local_linear(attn.qkv_proj), stream, norm_weight=layer.input_layernorm.weight,
                              eps=layer.input_layernorm.eps)  # [T, q + 2 kv]
         out = self._attend(attn, qkv, positions, kv_cache, metadata)  # [T, q]
         stream = _gemv_into_stream(attn.o_proj, out, stream)
-        gate_up = _skinny_matmul(_dense(mlp.gate_up_proj), stream, norm_weight=layer.post_attention_layernorm.weight,
+        gate_up = _skinny_matmul(_local_linear(mlp.gate_up_proj), stream,
+                                 norm_weight=layer.post_attention_layernorm.weight,
                                  eps=layer.post_attention_layernorm.eps)  # [T, 2 I]
         return _gemv_into_stream(mlp.down_proj, gate_up, stream, gated=True)  # [T, H]
 
@@ -171,7 +172,7 @@ class FusedStack:
         return out.reshape(num_tokens, attn.q_size)
 
 
-def _dense(module):
+def _local_linear(module):
     """The Linear holding a projection's weight (a `DenseLinear` or a `QuantizedLinear`): the module, or
     on a tensor-parallel rank the shard its column- or row-parallel wrapper holds (`model/parallel_linear.py`)."""
     return getattr(module, "local", module)
@@ -198,7 +199,7 @@ def _gemv_into_stream(module, x: torch.Tensor, stream: torch.Tensor, gated: bool
     """stream + x W^T (+ b) [T, H]: the o or down projection's output added into the residual stream.
     On a tensor-parallel rank each rank's partial sum is all-reduced, and only rank 0 adds the stream
     (and holds the bias) in its epilogue, so both are counted once in the sum."""
-    linear, group = _dense(module), getattr(module, "group", None)
+    linear, group = _local_linear(module), getattr(module, "group", None)
     if group is None:
         return _skinny_matmul(linear, x, gated=gated, residual=stream)
     partial = _skinny_matmul(linear, x, gated=gated, residual=stream if group.is_driver else None)

@@ -28,7 +28,8 @@ def fused_fp32(monkeypatch):
     """Decoders built in the test run the fused stack, whose fold also takes fp32 batches."""
     monkeypatch.setattr(fused_stack, "uses_gemv", lambda x, dtype: x.shape[0] <= kernels.MAX_GEMV_ROWS)
     init = DecoderModel.__init__
-    monkeypatch.setattr(DecoderModel, "__init__", lambda self, config, **kw: init(self, config, **{**kw, "fused_kernels": True}))
+    monkeypatch.setattr(DecoderModel, "__init__",
+                        lambda self, config, **kw: init(self, config, **{**kw, "fused_kernels": True}))
 
 
 def _decode_logits(model: DecoderModel, prompts: list[list[int]]) -> list[torch.Tensor]:
