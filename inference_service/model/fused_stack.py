@@ -40,7 +40,6 @@ from inference_service.model.layers import Attention, DecoderLayer
 from inference_service.model.linear import DenseLinear
 from inference_service.model.moe import SparseMoE, route
 from inference_service.model.norms import RMSNorm
-from inference_service.model.quantized_linear import QuantizedLinear
 from inference_service.model.rope import kernel_cos_sin_cache
 from kernels.quant_gemv import QUANT_GEMV_FASTER_ROWS
 from kernels.quant_layout import IntPackedWeight
@@ -179,11 +178,12 @@ def _local_linear(module):
 
 
 def _int_packed(linear) -> IntPackedWeight | None:
-    """The one packed integer weight a `QuantizedLinear` runs on, if that is what it runs on."""
-    if isinstance(linear, QuantizedLinear) and len(linear.packed_parts()) == 1:
-        weight = linear.packed_parts()[0]
-        return weight if isinstance(weight, IntPackedWeight) else None
-    return None
+    """The one packed integer weight a `QuantizedLinear` runs on, if that is what it runs on.
+
+    NOTE: asked through `packed_parts()`, not an isinstance check: `model/quantized_linear.py` imports
+    this module (for `uses_gemv`), so importing it here would close an import cycle."""
+    parts = linear.packed_parts() if hasattr(linear, "packed_parts") else []
+    return parts[0] if len(parts) == 1 and isinstance(parts[0], IntPackedWeight) else None
 
 
 def _skinny_matmul(linear, x: torch.Tensor, **options) -> torch.Tensor:
