@@ -55,6 +55,8 @@ if ARGS.smoke:  # NOTE: before `kernels` (triton.jit) is imported
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
+from gpu_quant_report import markdown
+from gpu_quant_twins import section_twins
 
 from kernels import gemv
 from kernels.fp8_gemm import Fp8Weight, fp8_linear, fp8_quantized_matmul
@@ -343,44 +345,6 @@ def section_served(results: dict) -> None:
     results["served"] = rows
 
 
-def section_twins(results: dict) -> None:
-    """Model-level correctness on the device: each tiny quantized Llama (tests/quant/checkpoints.py: GPTQ,
-    GPTQ act-order, AWQ, compressed-tensors w4a16 / fp8, fp8 block) served by the engine in bf16 (CUDA
-    graphs, fused stack) against its dequantized twin, in float32 and in bfloat16: first greedy divergence
-    per prompt (None: the same 32 tokens). fp8 formats also round activations to e4m3 (the twin does not),
-    and bf16 rounds differently on the two paths, so only float32 int formats are expected to agree.)"""
-    import tempfile
-
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import gpu_common
-
-    from inference_service.engine.sampling_params import SamplingParams
-    from tests.quant.checkpoints import FORMATS, write_quantized
-
-    gpu_common.DEVICE = DEVICE.type
-    prompts = [[(7 * i + 13 * j) % 250 + 1 for j in range(8 + 5 * i)] for i in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for fmt in FORMATS:
-            rows[fmt] = {}
-            try:
-                folder, twin = write_quantized(fmt, os.path.join(tmp, fmt))
-                for dtype in ("float32", "bfloat16"):
-                    outputs = []
-                    for path in (folder, twin):
-                        engine = gpu_common.make_engine(path, DEVICE.type, dtype, kv_mib=64, max_cuda_graph_batch_size=8)
-                        outputs.append(gpu_common.generate(engine, prompts, params))
-                        del engine
-                        gpu_common.free_device_memory()
-                    rows[fmt][dtype] = [gpu_common.first_divergence(a, b) for a, b in zip(*outputs)]
-            except Exception as exc:  # noqa: BLE001 - report and go on
-                rows[fmt]["error"] = f"{type(exc).__name__}: {exc}"
-                traceback.print_exc()
-            print(fmt, rows[fmt], flush=True)
-    results["twins"] = rows
-
-
 # ------------------------------------------------------------------------------------------ report
 
 def environment() -> dict:
@@ -391,47 +355,6 @@ def environment() -> dict:
     return {"device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (Triton interpreter)",
             "torch": torch.__version__, "triton": triton.__version__, "commit": commit,
             "date": datetime.date.today().isoformat(), "smoke": ARGS.smoke}
-
-
-def markdown(results: dict) -> str:
-    env = results["env"]
-    title = (f"# Quantized weight passes: {env['device']}, torch {env['torch']}, Triton {env['triton']}, "
-             f"commit `{env['commit']}`, {env['date']}")
-    lines = [title, ""]
-    if "ceilings" in results:
-        lines += [f"Copy bandwidth (read + write): **{results['ceilings']['copy_gbs']} GB/s**", ""]
-    for key in ("pass_b1", "pass_b16", "pass_b256"):
-        if key not in results:
-            continue
-        header = ("| format | GB a step | pass (ms) | tok/s a sequence | tok/s all | GB/s | roofline tok/s | "
-                  "% of roofline | vs bf16 | target |")
-        lines += [f"## {key}", "", header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in results[key]:
-            if "error" in r:
-                lines.append(f"| {r['format']} | error: {r['error'][:120]} | | | | | | | | |")
-                continue
-            target = r.get("target_tok_s")
-            verdict = "" if target is None else f"{target}: {'met' if r['tok_s_per_seq'] >= target else 'missed'}"
-            lines.append(f"| {r['format']} | {r['gb_per_step']} | {r['pass_ms']} | {r['tok_s_per_seq']} | {r['tok_s_total']} | {r['gbs']} | "
-                         f"{r['roofline_tok_s']} | {100 * r['ratio_to_roofline']:.0f}% | {r.get('speed_vs_bf16', '')} | "
-                         f"{verdict} |")
-        lines.append("")
-    if results.get("crossover"):
-        lines += ["## crossover (all layers' projections, ms)", "", "| format | rows | decode kernel | tensor cores |",
-                  "|---|---:|---:|---:|"]
-        lines += [f"| {r['format']} | {r['rows']} | {r['decode_ms']} | {r['tensor_core_ms']} |" for r in results["crossover"]]
-        lines.append("")
-    for key in ("memory", "twins", "served"):
-        if key in results:
-            lines += [f"## {key}", "", "```", json.dumps(results[key], indent=1), "```", ""]
-    if results.get("sweep"):
-        lines += ["## sweep (batch 1 GEMV, best tile)", "", "| format | projection | N x K | tile | GB/s |",
-                  "|---|---|---|---|---:|"]
-        lines += [f"| {r['format']} | {r['projection']} | {r['n']} x {r['k']} | {r['block_n']} x {r['block_k']}, "
-                  f"{r['num_warps']} warps | {r['gbs']} |" for r in results["sweep"] if r]
-    if results.get("errors"):
-        lines += ["## errors", "", "```", *results["errors"], "```"]
-    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -446,7 +369,7 @@ def main() -> None:
                 ("memory", lambda: section_memory(shapes, results)),
                 ("crossover", lambda: section_crossover(shapes, results)),
                 ("sweep", lambda: section_sweep(shapes, results) if ARGS.sweep else None),
-                ("twins", lambda: section_twins(results) if not ARGS.smoke else None),
+                ("twins", lambda: section_twins(results, DEVICE.type) if not ARGS.smoke else None),
                 ("served", lambda: section_served(results) if not ARGS.smoke else None)]
     for name, run in sections:
         if only and name not in only and name != "ceilings":
