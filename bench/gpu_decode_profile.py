@@ -174,13 +174,19 @@ def attention_section(results: dict, batch: int, context: int, configs=ATTENTION
 
 
 def profile_section(results: dict, out_dir: str, batch: int = 1, context: int = 128, steps: int = 20,
-                    kv_cache_dtype: str = "auto") -> None:
+                    kv_cache_dtype: str = "auto", config: str = "llama-3-8b", quantization: str = "") -> None:
+    import dataclasses
+
     from torch.profiler import ProfilerActivity, profile
 
     import gpu_perf
     from inference_service.engine.sampling_params import SamplingParams
+    from inference_service.model.quantization import quantize_loaded_model, summarize_model
 
-    loaded, _ = gpu_perf.load_llama()
+    loaded, _ = gpu_perf.load_llama(config)
+    if quantization:  # in situ, from the dummy bf16 weights, as `serve --quantization` does
+        model = quantize_loaded_model(loaded.model, quantization)
+        loaded = dataclasses.replace(loaded, model=model, quantization=summarize_model(model, quantization))
     engine = gpu_perf._engine(loaded, max_num_seqs=max(batch, 256), kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
     for i in range(batch):
@@ -209,7 +215,8 @@ def profile_section(results: dict, out_dir: str, batch: int = 1, context: int = 
         for _ in range(5):
             engine.step()
         common.sync()
-    timeline.export_chrome_trace(os.path.join(out_dir, f"timeline_b{batch}_ctx{context}_{kv_cache_dtype}.json"))
+    name = f"{config}{'_' + quantization if quantization else ''}_b{batch}_ctx{context}_{kv_cache_dtype}"
+    timeline.export_chrome_trace(os.path.join(out_dir, f"timeline_{name}.json"))
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -223,13 +230,15 @@ def profile_section(results: dict, out_dir: str, batch: int = 1, context: int = 
             kernels[evt.key] = (device_us / steps, evt.count / steps)
     total_us = sum(us for us, _ in kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
-    results[f"decode_profile_b{batch}_ctx{context}_{kv_cache_dtype}"] = {
+    results[f"decode_profile_{name}"] = {
         "step_wall_ms": round(unprofiled_ms, 3), "graph_replay_ms": graph_ms and round(graph_ms, 3),
         "step_wall_ms_under_profiler": round(wall_ms, 3), "gpu_kernel_ms_per_step": round(total_us / 1e3, 3),
         "kernels_per_step": round(sum(c for _, c in kernels.values()), 1),
         "top": [{"kernel": k[:90], "us_per_step": round(us, 1), "calls_per_step": round(c, 1)} for k, (us, c) in top],
     }
-    print(json.dumps(results[f"decode_profile_b{batch}_ctx{context}_{kv_cache_dtype}"], indent=1), flush=True)
+    print(json.dumps(results[f"decode_profile_{name}"], indent=1), flush=True)
+    del engine, loaded, timeline, prof
+    common.free_device_memory()
 
 
 def main() -> None:
@@ -244,6 +253,9 @@ def main() -> None:
     parser.add_argument("--attention-layouts", default="nhd,hnd", help="cache layouts of the attention section")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens of each profiled sequence")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8 (profile section)")
+    parser.add_argument("--configs", default="llama-3-8b",
+                        help="bench/configs models the profile section runs, each optionally :int4/:int8/:fp8 "
+                             "(quantized in situ), e.g. llama-3-8b,llama-3-8b:int4,qwen3-30b-a3b")
     parser.add_argument("--gemv-shapes", default="llama-3-8b", help="llama-3-8b or llama-3-8b-tp2 (one rank of two)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -258,8 +270,11 @@ def main() -> None:
     sections = {"gemv": lambda r: gemv_section(r, args.gemv_shapes),
                 "attention": lambda r: [attention_section(r, *map(int, shape.split("x")), configs, layouts)
                                         for shape in shapes],
-                "profile": lambda r: profile_section(r, args.out, batch=args.batch, context=args.context,
-                                                     kv_cache_dtype=args.kv_cache_dtype)}
+                "profile": lambda r: [profile_section(r, args.out, batch=args.batch, context=args.context,
+                                                      kv_cache_dtype=args.kv_cache_dtype, config=config,
+                                                      quantization=quantization)
+                                      for config, _, quantization in (c.partition(":")
+                                                                      for c in args.configs.split(","))]}
     for name in args.only.split(","):
         try:
             sections[name](results)

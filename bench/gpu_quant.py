@@ -46,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--config", default=os.path.join(ROOT, "bench", "configs", "llama-3-8b", "config.json"))
     p.add_argument("--only", default="", help="comma-separated sections")
     p.add_argument("--sweep", action="store_true", help="also sweep the GEMV tiles")
+    p.add_argument("--sweep-formats", default="int4_gptq_g128,int4_gptq_g128+fused,q4_k,q8_0",
+                   help="formats the sweep runs; FMT+fused: with the fused decoder's options")
     p.add_argument("--smoke", action="store_true", help="CPU dry run: Triton interpreter, a tiny model")
     return p.parse_args()
 
@@ -226,29 +228,54 @@ def section_memory(shapes: dict, results: dict) -> None:
     print(results["memory"], flush=True)
 
 
+# The options the fused decoder stack gives each projection (fused_stack._layer), for the "+fused" sweep.
+FUSED_OPTIONS = {"qkv": ("norm",), "o": ("residual",), "gate_up": ("norm",), "down": ("gated", "residual")}
+
+
+def fused_inputs(name: str, n: int, k: int) -> tuple[torch.Tensor, dict]:
+    """x and the keyword options of `quant_gemv` as the fused stack calls it for projection `name`."""
+    options = FUSED_OPTIONS[name]
+    x = torch.randn(1, 2 * k if "gated" in options else k, device=DEVICE, dtype=BF16)
+    kwargs = {}
+    if "norm" in options:
+        kwargs["norm_weight"] = torch.rand(k, device=DEVICE, dtype=BF16)
+    if "gated" in options:
+        kwargs["gated"] = True
+    if "residual" in options:
+        kwargs["residual"] = torch.randn(1, n, device=DEVICE, dtype=BF16)
+    return x, kwargs
+
+
 def section_sweep(shapes: dict, results: dict) -> None:
-    """Batch-1 GEMV tiles per projection shape, GB/s (weights rotated over > L2 so each call reads memory)."""
+    """Batch-1 GEMV tiles per projection shape, GB/s (weights rotated over > L2 so each call reads memory).
+    A format named FMT+fused sweeps FMT with the options the fused decoder gives each projection."""
     rows = []
-    tiles = [(bn, bk, nw) for bn in (4, 8, 16, 32) for bk in (128, 256, 512) for nw in (4, 8)]
-    formats = ("int4_gptq_g128", "q4_k", "q8_0")
+    tiles = [(bn, bk, nw) for bn in (4, 8, 16, 32) for bk in (128, 256, 512, 1024) for nw in (4, 8)]
+    formats = ARGS.sweep_formats.split(",")
     if ARGS.smoke:
         tiles, formats = tiles[:1], formats[:1]
     for fmt in formats:
+        base, _, fused = fmt.partition("+")
         for name, n, k in shapes["projections"]:
             copies = 1 if ARGS.smoke else max(2, (256 << 20) // (n * k // 2))
-            ws = [random_weight(fmt, n, k) for _ in range(copies)]
-            x = torch.randn(1, k, device=DEVICE, dtype=BF16)
-            best = None
-            for bn, bk, nw in tiles:
+            ws = [random_weight(base, n, k) for _ in range(copies)]
+            x, kwargs = fused_inputs(name, n, k) if fused else (torch.randn(1, k, device=DEVICE, dtype=BF16), {})
+            best, default = None, None
+            for tile in [None, *tiles]:  # None: the kernel's own choice (quant_gemv_config)
+                bn, bk, nw = tile or (None, None, None)
                 try:
-                    seconds = time_call(gemv_calls(x, ws, bn, bk, nw))
+                    seconds = time_call(gemv_calls(x, ws, bn, bk, nw, **kwargs))
                 except Exception as exc:  # noqa: BLE001 - a tile past the register budget
-                    print(f"{fmt} {name} tile {bn} x {bk}, {nw} warps: {type(exc).__name__}", flush=True)
+                    print(f"{fmt} {name} tile {tile}: {type(exc).__name__}", flush=True)
                     continue
-                gbs = sum(w.nbytes for w in ws) / seconds / 1e9
-                if best is None or gbs > best["gbs"]:
+                gbs = round(sum(w.nbytes for w in ws) / seconds / 1e9, 1)
+                if tile is None:
+                    default = gbs
+                elif best is None or gbs > best["gbs"]:
                     best = {"format": fmt, "projection": name, "n": n, "k": k, "block_n": bn, "block_k": bk,
-                            "num_warps": nw, "gbs": round(gbs, 1)}
+                            "num_warps": nw, "gbs": gbs}
+            if best is not None:
+                best["default_gbs"] = default
             rows.append(best)
             print(best, flush=True)
             ws.clear()
@@ -281,8 +308,9 @@ def section_crossover(shapes: dict, results: dict) -> None:
     results["crossover"] = rows_out
 
 
-def gemv_calls(x: torch.Tensor, ws: list[IntPackedWeight], block_n: int, block_k: int, num_warps: int):
-    return lambda: [quant_gemv(x, w, block_n=block_n, block_k=block_k, num_warps=num_warps) for w in ws]
+def gemv_calls(x: torch.Tensor, ws: list[IntPackedWeight], block_n: int | None, block_k: int | None,
+               num_warps: int | None, **options):
+    return lambda: [quant_gemv(x, w, block_n=block_n, block_k=block_k, num_warps=num_warps, **options) for w in ws]
 
 
 def section_served(results: dict) -> None:

@@ -77,8 +77,8 @@ def _fp8_gemv_kernel(
 
 
 def fp8_gemv_config(num_rows: int, n: int) -> dict:
-    """Tiles as `quant_gemv_config` picks them (enough programs to fill the SMs, a bounded number of
-    products per K step)."""
+    """Tiles: enough programs to fill the SMs, a bounded number of products per K step (a first guess:
+    `bench/gpu_quant.py --sweep` measures the int formats' tiles, not these)."""
     block_m = next_pow2(num_rows)
     block_n = 4 if n >= 16384 else 8 if n >= 6144 else 16
     block_k = max(64, min(1024, 8192 // (block_m * block_n)))

@@ -290,9 +290,9 @@ def _gemv_pairs(x, gate_up_proj, down_proj, h, out, pair_weights, topk_ids, top_
     """h = the gated MLP input of every pair (one program a (pair, tile)), then out = each token's weighted
     down projections summed (one program a (token, tile), its k pairs in turn)."""
     ids = topk_ids.reshape(-1)
-    # NOTE: chosen by bench/moe_kernel_tune.py on an H100 at Qwen3-30B-A3B's shapes (2026-11-26): at 1 and 4
-    # tokens 37 and 108 us against 56 and 134 with 16 columns on 4 warps.
-    block_n, block_k = block_n or 8, block_k or (32 if is_interpreter() else 256)
+    # NOTE: chosen by bench/moe_kernel_tune.py on an H100 at Qwen3-30B-A3B's shapes (2026-11-26, these two
+    # kernels): at 1 and 4 tokens 35.9 and 93.5 us against 42.0 and 104.2 with 8 columns and a 256 K tile.
+    block_n, block_k = block_n or 16, block_k or (32 if is_interpreter() else 512)
     extra = {} if is_interpreter() else {"num_warps": num_warps or 8}
     intermediate, hidden = h.shape[1], out.shape[1]
     _moe_gate_up_gemv_kernel[(ids.shape[0], triton.cdiv(intermediate, block_n))](
