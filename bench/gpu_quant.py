@@ -47,7 +47,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--only", default="", help="comma-separated sections")
     p.add_argument("--sweep", action="store_true", help="also sweep the GEMV tiles")
     p.add_argument("--sweep-formats", default="int4_gptq_g128,int4_gptq_g128+fused,q4_k,q8_0",
-                   help="formats the sweep runs; FMT+fused: with the fused decoder's options")
+                   help="formats the sweep runs (int and fp8 layouts); FMT+fused: with the fused decoder's options")
     p.add_argument("--smoke", action="store_true", help="CPU dry run: Triton interpreter, a tiny model")
     return p.parse_args()
 
@@ -268,7 +268,7 @@ def section_sweep(shapes: dict, results: dict) -> None:
                 except Exception as exc:  # noqa: BLE001 - a tile past the register budget
                     print(f"{fmt} {name} tile {tile}: {type(exc).__name__}", flush=True)
                     continue
-                gbs = round(sum(w.nbytes for w in ws) / seconds / 1e9, 1)
+                gbs = round(sum(nbytes(w) for w in ws) / seconds / 1e9, 1)
                 if tile is None:
                     default = gbs
                 elif best is None or gbs > best["gbs"]:
@@ -308,8 +308,11 @@ def section_crossover(shapes: dict, results: dict) -> None:
     results["crossover"] = rows_out
 
 
-def gemv_calls(x: torch.Tensor, ws: list[IntPackedWeight], block_n: int | None, block_k: int | None,
-               num_warps: int | None, **options):
+def gemv_calls(x: torch.Tensor, ws: list, block_n: int | None, block_k: int | None, num_warps: int | None, **options):
+    """The decode GEMV of ws's format (`quant_gemv` or `fp8_gemv`) over each weight, at this tile."""
+    if isinstance(ws[0], Fp8Weight):
+        return lambda: [fp8_gemv(x, w.weight, w.scale, w.block_n, w.block_k, tile_n=block_n, tile_k=block_k,
+                                 num_warps=num_warps, **options) for w in ws]
     return lambda: [quant_gemv(x, w, block_n=block_n, block_k=block_k, num_warps=num_warps, **options) for w in ws]
 
 

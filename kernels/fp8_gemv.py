@@ -76,13 +76,19 @@ def _fp8_gemv_kernel(
              mask=y_mask)
 
 
-def fp8_gemv_config(num_rows: int, n: int) -> dict:
-    """Tiles: enough programs to fill the SMs, a bounded number of products per K step (a first guess:
-    `bench/gpu_quant.py --sweep` measures the int formats' tiles, not these)."""
+def fp8_gemv_config(num_rows: int, n: int, is_k_blocked: bool = False) -> dict:
+    """Tiles measured best at one row (`bench/gpu_quant.py --sweep`, Llama-3-8B's projections, H100,
+    2026-11-26): per-channel scales take a 1024-wide K tile and 8 columns a program on 4 warps (0.77-1.89
+    -> 1.56-2.39 TB/s); scales in [128, 128] blocks cap the K tile at a block, where more columns a program
+    on 8 warps win on the wide layers (gate_up 0.74 -> 2.26 TB/s). More rows narrow the K tile, keeping the
+    products of a step in the register budget."""
     block_m = next_pow2(num_rows)
-    block_n = 4 if n >= 16384 else 8 if n >= 6144 else 16
+    if is_k_blocked:
+        block_n, num_warps = (32 if n >= 16384 else 16 if n >= 6144 else 8), 8
+    else:
+        block_n, num_warps = 8, 4
     block_k = max(64, min(1024, 8192 // (block_m * block_n)))
-    return {"block_n": block_n, "block_k": block_k, "num_warps": 8 if block_k >= 512 else 4, "num_stages": 3}
+    return {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": 3}
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
@@ -96,7 +102,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n
     n = weight.shape[0]
     if out is None:
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
-    tiles = fp8_gemv_config(num_rows, n)
+    tiles = fp8_gemv_config(num_rows, n, is_k_blocked=block_k < k)
     tile_k = max(16, min(tile_k or tiles["block_k"], triton.next_power_of_2(k)))
     if block_k < k:  # a tile within one scale block: the largest power of two dividing it
         tile_k = min(tile_k, block_k & -block_k)

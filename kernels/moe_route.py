@@ -1,4 +1,4 @@
-"""A mixture-of-experts router: router logits (the library GEMV), then one kernel for softmax, top-k and
+"""A mixture-of-experts router: router logits (a GEMV), then one kernel for softmax, top-k and
 renormalization.
 
     logits[t]  = x[t] W_router^T, rounded to x's dtype (as the router's own linear layer rounds them)
@@ -18,7 +18,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import ACT_DTYPES, cast, next_pow2, require, require_dtype, require_same_device
+from kernels._common import (
+    ACT_DTYPES,
+    cast,
+    next_pow2,
+    pdl_args,
+    pdl_enter,
+    require,
+    require_dtype,
+    require_same_device,
+)
+from kernels.gemv import MAX_GEMV_ROWS, gemv
 
 # Router rows (experts) one program holds; Qwen3-MoE has 128, Mixtral 8, DeepSeek-V3 256.
 MAX_ROUTE_EXPERTS = 256
@@ -35,7 +45,9 @@ def _moe_top_k_kernel(
     RENORMALIZE: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)
     e_mask = offs_e < E
@@ -76,11 +88,12 @@ def moe_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
     weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=x.device)
     if num_tokens:
-        # NOTE: the logits are the router's own linear layer (the library GEMV): one program a token
-        # reading all E rows of the router ran at a few GB/s (77 us a layer on an H200), and the same
-        # call as the model's router keeps the experts chosen identical to the unfused path's.
-        logits = torch.nn.functional.linear(x, router_weight)  # [T, E] in x's dtype
+        # NOTE: one program a token reading all E router rows ran at a few GB/s (77 us a layer on an H200);
+        # the logits come from a GEMV over the rows instead: ours at decode sizes (launched with PDL like
+        # the kernels around it; cuBLAS's took 5 us), the library matmul past them.
+        logits = (gemv(x, router_weight) if num_tokens <= MAX_GEMV_ROWS
+                  else torch.nn.functional.linear(x, router_weight))  # [T, E] in x's dtype
         _moe_top_k_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
                                          RENORMALIZE=renormalize, BLOCK_K=next_pow2(top_k),
-                                         BLOCK_E=next_pow2(num_experts))
+                                         BLOCK_E=next_pow2(num_experts), **pdl_args(x.device))
     return weights, ids
