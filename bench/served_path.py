@@ -91,17 +91,7 @@ def in_process(flags: list[str], setup: dict, out_path: str) -> None:
 
     # Time to first token in process with the same flags (the KV cache dtype included): the served TTFTs'
     # own baseline, so a gap between them is the serving path's and the rest the engine's.
-    result["ttft_ms"] = {}
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    for n in setup["ttft_lens"]:
-        times = []
-        for rep in range(4):  # fresh prompts: no prefix-cache hits
-            engine.add_request(engine.input_processor.process(f"t{n}-{rep}", _prompt(n, 50 + rep, engine), one))
-            common.sync()
-            t0 = time.perf_counter()
-            engine.run_until_idle()
-            times.append(time.perf_counter() - t0)
-        result["ttft_ms"][str(n)] = round(min(times) * 1e3, 2)
+    result["ttft_ms"] = _ttft_ms(engine, setup, seed=50)
 
     # The offline workload: every request at once
     prompt_len, output_len = setup["lens"]
@@ -114,6 +104,10 @@ def in_process(flags: list[str], setup: dict, out_path: str) -> None:
     elapsed = time.perf_counter() - t0
     result["offline"] = {"output_tokens": num_out, "elapsed_s": round(elapsed, 2), "output_tok_s": round(num_out / elapsed, 1),
                          "preemptions": engine.scheduler.num_preemptions}
+    # Again after the load, as the served runs measure TTFT: what the engine's state after a load costs
+    result["ttft_ms_after_load"] = _ttft_ms(engine, setup, seed=60)
+    if os.environ.get("SERVED_PATH_PROFILE_PREFILL") and common.DEVICE == "cuda":
+        result["prefill_profile_after_load"] = _prefill_profile(engine, max(setup["ttft_lens"]))
 
     # The FLOP roofline of a prompt of n tokens: 2 FLOPs per weight per token + causal attention (QK^T, PV)
     cfg = engine.loaded.config
@@ -125,6 +119,46 @@ def in_process(flags: list[str], setup: dict, out_path: str) -> None:
                        * cfg.num_hidden_layers) / (tflops * 1e12) * 1e3, 3) for n in setup["ttft_lens"]}
     with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def _ttft_ms(engine, setup: dict, seed: int) -> dict:
+    """Best of 4 in-process TTFTs (ms) a prompt length, fresh prompts (no prefix-cache hits)."""
+    import gpu_common as common
+
+    from inference_service.engine.sampling_params import SamplingParams
+
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    best = {}
+    for n in setup["ttft_lens"]:
+        times = []
+        for rep in range(4):
+            engine.add_request(engine.input_processor.process(f"t{n}-{seed + rep}", _prompt(n, seed + rep, engine), one))
+            common.sync()
+            t0 = time.perf_counter()
+            engine.run_until_idle()
+            times.append(time.perf_counter() - t0)
+        best[str(n)] = round(min(times) * 1e3, 2)
+    return best
+
+
+def _prefill_profile(engine, n: int) -> dict:
+    """One n-token prompt's TTFT under torch.profiler (SERVED_PATH_PROFILE_PREFILL=1): the top ops by
+    device time and by host time, to say where a slow prefill goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from inference_service.engine.sampling_params import SamplingParams
+
+    engine.add_request(engine.input_processor.process("profiled", _prompt(n, 99, engine),
+                                                      SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.run_until_idle()
+    events = prof.key_averages()
+
+    def top(attr: str) -> list:
+        rows = sorted(events, key=lambda e: -getattr(e, attr, 0))[:12]
+        return [[e.key[:80], round(getattr(e, attr, 0) / 1e3, 3), e.count] for e in rows]
+
+    return {"by_device_ms": top("self_device_time_total"), "by_host_ms": top("self_cpu_time_total")}
 
 
 def _prompt(n: int, seed: int, engine) -> list[int]:
@@ -275,10 +309,12 @@ def markdown(results: dict) -> str:
                  f"{inp['batch1_step_ms']:.2f} (step, {b_in} in, {b_out} out) |")
     lines += ["", f"Time to first token (best of 4, one at a time) against the FLOP roofline at "
                   f"{inp['matmul_tflops']} TFLOP/s:", "",
-              "| prompt | roofline ms | in-process ms (ratio) | gRPC ms (ratio) | REST ms (ratio) |",
-              "|---:|---:|---:|---:|---:|"]
+              "| prompt | roofline ms | in-process ms (ratio) | in-process after the load ms | gRPC ms (ratio) "
+              "| REST ms (ratio) |",
+              "|---:|---:|---:|---:|---:|---:|"]
     for n, roof in inp["ttft_roofline_ms"].items():
         lines.append(f"| {n} | {roof:.1f} | {inp['ttft_ms'][n]:.1f} ({r['in_process']['ttft_to_roofline'][n]:.2f}) "
+                     f"| {inp.get('ttft_ms_after_load', {}).get(n, float('nan')):.1f} "
                      f"| {results['grpc']['ttft_ms'][n]:.1f} "
                      f"({r['grpc']['ttft_to_roofline'][n]:.2f}) | {results['rest']['ttft_ms'][n]:.1f} "
                      f"({r['rest']['ttft_to_roofline'][n]:.2f}) |")
