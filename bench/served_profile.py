@@ -20,14 +20,34 @@ import shutil
 import subprocess
 import sys
 
+import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from inference_service.metrics import _PREFIX  # noqa: E402
 from tests.grpc_client import start_engine  # noqa: E402
 
 TOP = 25
+# The engine's latency histograms whose means split a request's time: arrival (front end) -> first
+# scheduling (core) -> first token, and the steps themselves.
+HISTOGRAMS = ("request_queue_time_seconds", "request_prefill_time_seconds", "time_to_first_token_seconds",
+              "step_duration_seconds")
+
+
+def histogram_totals(metrics_port: int) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each of HISTOGRAMS, from the engine's /metrics."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    totals = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for name in HISTOGRAMS:  # ours only (vLLM's twins count the same requests again)
+                if sample.name in (_PREFIX + name + "_sum", _PREFIX + name + "_count"):
+                    total = totals.setdefault(name, [0.0, 0.0])
+                    total[0 if sample.name.endswith("_sum") else 1] += sample.value
+    return {name: tuple(v) for name, v in totals.items()}
 
 
 def run_loadtest(target: str, out_dir: str, args: argparse.Namespace, num_requests: int) -> None:
@@ -80,14 +100,22 @@ def main() -> None:
             recorders.append((subprocess.Popen([py_spy, "record", "--pid", str(pid), "--rate", str(args.rate),
                                                 "--format", "raw", "--idle", "--nonblocking", "--output", path],
                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path, role))
+        before = histogram_totals(engine.metrics_port)
         run_loadtest(engine.target, os.path.join(args.out, "loadtest"), args, args.num_requests)
+        after = histogram_totals(engine.metrics_port)
     finally:
         for recorder, _, _ in recorders:
             recorder.send_signal(2)  # SIGINT: py-spy writes its file and exits
             recorder.wait(60)
         engine.stop()
     lines = [f"# py-spy of the serving processes: {args.num_requests} requests of {args.input_len} tokens in, "
-             f"{args.max_tokens} out, {args.concurrency} at a time", "", f"serve flags: `{' '.join(flags)}`", ""]
+             f"{args.max_tokens} out, {args.concurrency} at a time", "", f"serve flags: `{' '.join(flags)}`", "",
+             ("| engine histogram (during the profiled run) | mean ms | count |"), "|---|---:|---:|"]
+    for name in HISTOGRAMS:
+        (sum0, count0), (sum1, count1) = before.get(name, (0, 0)), after.get(name, (0, 0))
+        if count1 > count0:
+            lines.append(f"| {name} | {(sum1 - sum0) / (count1 - count0) * 1e3:.2f} | {count1 - count0:.0f} |")
+    lines.append("")
     for _, path, role in recorders:
         if not os.path.exists(path):
             lines += [f"## {os.path.basename(path)}: no samples written", ""]

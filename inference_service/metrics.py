@@ -61,12 +61,15 @@ class _EventSource:
         raise NotImplementedError
 
     def on_step(self, sched_out: SchedulerOutput, duration_s: float) -> None:
-        now = time.monotonic()
+        """A step whose results came back now, `duration_s` after it was scheduled and launched."""
+        # A sequence's queue time ends when its first step is launched, not when that step's results
+        # come back (the prefill is the prefill time's).
+        scheduled_at = time.monotonic() - duration_s
         queue_times = []
         for s in sched_out.scheduled:
             if s.seq.request_id not in self._first_scheduled:
-                self._first_scheduled[s.seq.request_id] = now
-                queue_times.append(now - s.seq.arrival_time)
+                self._first_scheduled[s.seq.request_id] = scheduled_at
+                queue_times.append(max(0.0, scheduled_at - s.seq.arrival_time))
         self._emit(("step", sched_out.num_batched_tokens, duration_s, queue_times))
 
     def on_first_token(self, ttft_s: float, seq: Sequence) -> None:
