@@ -97,7 +97,9 @@ class SamplingState:
         self._host[slot] = values
         self.params[slot] = to_device(values, torch.float32, self.device)
         self._top_k[slot] = p.top_k
-        self.top_k[slot] = p.top_k
+        # NOTE: never a Python scalar into a device tensor: that copies from pageable memory and waits
+        # for the stream, i.e. for the forward launched just before (a 4k prefill: ~75 ms of the host).
+        self.top_k[slot:slot + 1] = to_device([p.top_k], torch.int64, self.device)
         self._is_greedy[slot] = p.is_greedy
         self._min_tokens[slot] = p.min_tokens
         self._num_top_logprobs[slot] = p.top_logprobs if p.logprobs else -1
@@ -138,7 +140,7 @@ class SamplingState:
             self.allowed = torch.zeros((self.max_num_rows, self.vocab_size), dtype=torch.bool, device=self.device)
         row = self.allowed[slot]
         row.zero_()
-        row[to_device(list(allowed_token_ids), torch.long, self.device)] = True
+        row.index_fill_(0, to_device(list(allowed_token_ids), torch.long, self.device), True)
 
     def _write_history(self, slot: int, p: SamplingParams, prompt_token_ids: Sequence[int],
                        output_token_ids: Sequence[int]) -> None:
@@ -159,7 +161,7 @@ class SamplingState:
             ids = to_device(list(output_token_ids), torch.long, self.device)
             self.counts[slot].index_put_((ids,), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
         if has_repetition and prompt_token_ids:
-            self.seen[slot, to_device(list(prompt_token_ids), torch.long, self.device)] = True
+            self.seen[slot].index_fill_(0, to_device(list(prompt_token_ids), torch.long, self.device), True)
 
     def batch(self, slots: Sequence[int], num_output_tokens: Sequence[int],
               grammars: Sequence[Any] | None = None,
