@@ -7,8 +7,10 @@ dequantize-then-matmul up to fp32 summation order, more accurate than the fp8 x 
 
 e4m3 becomes fp32 without a conversion instruction (those run at a fraction of the FMA rate): its
 bits moved into an fp32's sign, exponent and mantissa make the same number times 2**-120 (the bias
-difference, 127 - 7), so two integer ops and one multiply decode it. Scales apply once per K tile (a
-tile never straddles two scale blocks).
+difference, 127 - 7), so two integer ops and one multiply decode it. Scales apply once per scale block:
+a K tile lies within one block, or (one row of x, blocks a power of two wide) covers several, whose
+products are summed block by block before their scales apply ([128, 128] blocks would otherwise cap
+the tile at 128 bytes a weight row).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def _fp8_gemv_kernel(
     y_ptr,  # [M, N]
     M, N, K, stride_xm, stride_wn, stride_s, stride_rm, stride_ym,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS_PER_TILE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -60,12 +63,19 @@ def _fp8_gemv_kernel(
         code = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & in_k[None, :], other=0).to(tl.int32)
         w = e4m3_bits_to_fp32(code)  # [BN, BK]
         x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & in_k[None, :], other=0.0).to(tl.float32)
-        scale = tl.load(s_rows + k0 // GROUP_K, mask=n_mask, other=0.0)  # [BN]
-        if BLOCK_M == 1:
-            part = tl.reshape(tl.sum(w * x, axis=1), (1, BLOCK_N))
+        if GROUPS_PER_TILE > 1:  # one row of x; the tile's scale blocks summed one by one
+            groups = k0 // GROUP_K + tl.arange(0, GROUPS_PER_TILE)
+            scales = tl.load(s_rows[:, None] + groups[None, :], mask=n_mask[:, None] & (groups * GROUP_K < K)[None, :],
+                             other=0.0)  # [BN, G]
+            sums = tl.sum(tl.reshape(w * x, (BLOCK_N, GROUPS_PER_TILE, GROUP_K)), axis=2)  # [BN, G]
+            acc += tl.reshape(tl.sum(sums * scales, axis=1), (1, BLOCK_N))
         else:
-            part = tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BM, BN]
-        acc += part * scale[None, :]
+            scale = tl.load(s_rows + k0 // GROUP_K, mask=n_mask, other=0.0)  # [BN]
+            if BLOCK_M == 1:
+                part = tl.reshape(tl.sum(w * x, axis=1), (1, BLOCK_N))
+            else:
+                part = tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BM, BN]
+            acc += part * scale[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y_mask = m_mask[:, None] & n_mask[None, :]
@@ -79,9 +89,10 @@ def _fp8_gemv_kernel(
 def fp8_gemv_config(num_rows: int, n: int, is_k_blocked: bool = False) -> dict:
     """Tiles measured best at one row (`bench/gpu_quant.py --sweep`, Llama-3-8B's projections, H100,
     2026-11-26): per-channel scales take a 1024-wide K tile and 8 columns a program on 4 warps (0.77-1.89
-    -> 1.56-2.39 TB/s); scales in [128, 128] blocks cap the K tile at a block, where more columns a program
-    on 8 warps win on the wide layers (gate_up 0.74 -> 2.26 TB/s). More rows narrow the K tile, keeping the
-    products of a step in the register budget."""
+    -> 1.56-2.39 TB/s); with scales in [128, 128] blocks, when a K tile stopped at a block, more columns a
+    program on 8 warps won on the wide layers (gate_up 0.74 -> 2.26 TB/s). Tiles spanning several blocks (one
+    row) take the same columns and the K tile below; that pair is not measured yet. More rows narrow the K
+    tile, keeping the products of a step in the register budget."""
     block_m = next_pow2(num_rows)
     if is_k_blocked:
         block_n, num_warps = (32 if n >= 16384 else 16 if n >= 6144 else 8), 8
@@ -104,13 +115,18 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     tiles = fp8_gemv_config(num_rows, n, is_k_blocked=block_k < k)
     tile_k = max(16, min(tile_k or tiles["block_k"], triton.next_power_of_2(k)))
-    if block_k < k:  # a tile within one scale block: the largest power of two dividing it
-        tile_k = min(tile_k, block_k & -block_k)
+    groups_per_tile = 1
+    if block_k < k:
+        if num_rows == 1 and block_k & (block_k - 1) == 0 and tile_k > block_k:
+            groups_per_tile = tile_k // block_k  # whole scale blocks a tile (both powers of two)
+        else:  # a tile within one scale block: the largest power of two dividing it
+            tile_k = min(tile_k, block_k & -block_k)
     opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"], "num_stages": tiles["num_stages"]}
     _fp8_gemv_kernel[(triton.cdiv(n, tile_n or tiles["block_n"]),)](
         x, weight.view(torch.uint8), scale, bias if bias is not None else x, residual if residual is not None else x,
         out, num_rows, n, k, x.stride(0), weight.stride(0), scale.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0), GROUP_N=block_n, GROUP_K=block_k,
         HAS_BIAS=bias is not None, RESIDUAL=residual is not None, BLOCK_M=next_pow2(num_rows),
-        BLOCK_N=tile_n or tiles["block_n"], BLOCK_K=tile_k, **opts, **pdl_args(x.device))
+        BLOCK_N=tile_n or tiles["block_n"], BLOCK_K=tile_k, GROUPS_PER_TILE=groups_per_tile, **opts,
+        **pdl_args(x.device))
     return out

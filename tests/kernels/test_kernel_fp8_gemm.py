@@ -53,6 +53,18 @@ def test_fp8_gemv_decodes_every_e4m3_code_exactly():
     assert torch.equal(out[0].cpu(), 32 * codes.view(FP8_DTYPE).float())
 
 
+@pytest.mark.parametrize("tile_k", [256, 512])
+@pytest.mark.parametrize("n, k", [(40, 640), (24, 1000)], ids=["k_5_blocks", "k_ragged"])
+def test_fp8_gemv_tiles_spanning_several_scale_blocks(n, k, tile_k):
+    """[128, 128] scales with K tiles of 2 or 4 blocks (the last tile part outside K, the last block partial):
+    each block's products take their own scale."""
+    gen = torch.Generator().manual_seed(k + tile_k)
+    w = random_fp8_weight(n, k, "block_128", gen)
+    x = torch.randn(1, k, generator=gen).to(DEVICE)
+    out = fp8_gemv(x, w.weight, w.scale, w.block_n, w.block_k, tile_k=tile_k)
+    assert rel_err(out, fp8_matmul_ref(x, w)) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("num_rows", [1, 5, MAX_FP8_GEMV_ROWS])
 def test_fp8_linear_adds_the_residual(num_rows):
     gen = torch.Generator().manual_seed(num_rows)
