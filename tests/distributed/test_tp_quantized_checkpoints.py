@@ -18,9 +18,10 @@ from inference_service.errors import UnsupportedModelError
 from inference_service.model.loader import load_model
 from tests.quant.checkpoints import write_quantized
 
-FORMATS = ("gptq", "gptq-channel", "awq", "ct-w4a16", "ct-fp8", "fp8-block")
+# "gptq-bias": q/k/v/o biases beside the packed weights (o_proj's is row-parallel: rank 0 adds it).
+FORMATS = ("gptq", "gptq-channel", "awq", "ct-w4a16", "ct-fp8", "fp8-block", "gptq-bias")
 LABELS = {"gptq": "gptq", "gptq-channel": "gptq", "awq": "awq", "ct-w4a16": "compressed-tensors",
-          "ct-fp8": "fp8", "fp8-block": "fp8"}
+          "ct-fp8": "fp8", "fp8-block": "fp8", "gptq-bias": "gptq"}
 PROMPTS = [[256, 72, 101, 108, 108, 111, 44, 32, 119], [256, 84, 80, 33]]
 NUM_NEW_TOKENS = 4
 CHUNK = 5
@@ -31,7 +32,8 @@ def two_rank_runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tp_quantized")
     references, jobs = {}, []
     for fmt in FORMATS:
-        path, _ = write_quantized(fmt, str(folder / fmt), seed=5)
+        biased = fmt.endswith("-bias")
+        path, _ = write_quantized(fmt.removesuffix("-bias"), str(folder / fmt), seed=5, attention_bias=biased)
         reference = load_model(path, dtype=torch.float32).model
         generated = PagedHarness(reference).generate(PROMPTS, NUM_NEW_TOKENS, prefill_chunk=CHUNK)
         forced = [tokens[:-1] for tokens in generated]

@@ -121,9 +121,16 @@ def quantize(fmt: str, w: torch.Tensor, seed: int):
     return fp8(w, (64, 64), "weight_scale_inv")
 
 
-def write_quantized(fmt: str, folder: str, seed: int = 0) -> tuple[str, str]:
-    """(quantized checkpoint folder, dequantized float32 twin folder) of one tiny Llama."""
-    model = make_hf_model("llama", seed=seed, **TINY_LLAMA)
+def write_quantized(fmt: str, folder: str, seed: int = 0, attention_bias: bool = False) -> tuple[str, str]:
+    """(quantized checkpoint folder, dequantized float32 twin folder) of one tiny Llama; with
+    `attention_bias`, q/k/v/o biases of random values (plain tensors beside the packed weights)."""
+    model = make_hf_model("llama", seed=seed, **TINY_LLAMA, attention_bias=attention_bias)
+    if attention_bias:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
     state = {name: t.detach().clone().contiguous() for name, t in model.state_dict().items()}
     quantized: dict[str, torch.Tensor] = {}
     with torch.no_grad():

@@ -131,12 +131,14 @@ def quantized_safetensors_weights(files: list[str], spec: QuantSpec, dtype: torc
         for name in rest:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
-            tensor = (read_plain(name, handles[where[name]].get_slice(name)) if read_plain is not None
-                      else handles[where[name]].get_tensor(name))
+            handle = handles[where[name]]
             # NOTE: GPTQ exporters save a zero bias beside every quantized layer, also for models without
-            # biases; adding zero changes nothing, so it is dropped rather than refused.
-            if name.endswith(".bias") and name[: -len(".bias")] in layers and not tensor.any():
+            # biases; adding zero changes nothing, so it is dropped rather than refused. Decided on the
+            # checkpoint's bias (small), not on this rank's part: a row-parallel bias is zeros on every
+            # tensor-parallel rank but the first, and dropping it there left the rank without it.
+            if name.endswith(".bias") and name[: -len(".bias")] in layers and not handle.get_tensor(name).any():
                 continue
+            tensor = read_plain(name, handle.get_slice(name)) if read_plain is not None else handle.get_tensor(name)
             yield name, tensor.to(dtype)
         for prefix, parts in layers.items():
             if read_layer is not None:
