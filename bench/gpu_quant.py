@@ -58,6 +58,7 @@ if ARGS.smoke:  # NOTE: before `kernels` (triton.jit) is imported
 
 import torch
 from gpu_quant_report import markdown
+from gpu_quant_served import section_served
 from gpu_quant_twins import section_twins
 
 from kernels import gemv
@@ -316,66 +317,6 @@ def gemv_calls(x: torch.Tensor, ws: list, block_n: int | None, block_k: int | No
     return lambda: [quant_gemv(x, w, block_n=block_n, block_k=block_k, num_warps=num_warps, **options) for w in ws]
 
 
-def section_served(results: dict) -> None:
-    """The engine's own decode (LLMEngine.step, CUDA graphs, 128-token prompt, 512 new tokens, batch 1)
-    with bf16 weights and each `--quantization` (in-situ quantized from the same random bf16 weights),
-    as bench/gpu_perf.py measures bf16. Roofline: copy bandwidth / the bytes of weights a step reads."""
-    import dataclasses
-
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import gpu_common
-    import gpu_perf
-
-    from inference_service.engine.sampling_params import SamplingParams
-    from inference_service.model.quantization import (
-        quantize_loaded_model,
-        summarize_model,
-    )
-
-    gpu_common.DEVICE = DEVICE.type
-    copy_gbs = results.get("ceilings", {}).get("copy_gbs")
-    dense, load_s = gpu_perf.load_llama()
-    rows = {"load_bf16_s": round(load_s, 1)}
-    targets = {"int4": 400, "fp8": 300}
-    for method in ("bf16", "int4", "int8", "fp8"):
-        engine = None
-        try:
-            t0 = time.perf_counter()
-            if method == "bf16":
-                loaded = dense
-            else:
-                model = quantize_loaded_model(dense.model, method, release=False)
-                loaded = dataclasses.replace(dense, model=model, quantization=summarize_model(model, f"in-situ {method}"))
-            quantize_s = time.perf_counter() - t0
-            weight_bytes = loaded.model.num_weight_bytes
-            engine = gpu_common.make_engine(loaded.model_path, DEVICE.type, "bfloat16", load_format="dummy",
-                                            loaded=loaded, max_cuda_graph_batch_size=8)  # batch 1 only
-            params = SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True)
-            prompt = torch.randint(0, 128000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
-            engine.add_request(engine.input_processor.process("bench", prompt, params))
-            stamps = [time.perf_counter()]
-            while engine.has_unfinished:
-                engine.step()
-                stamps.append(time.perf_counter())
-            tok_s = 511 / (stamps[-1] - stamps[1])
-            row = {"decode_tok_s": round(tok_s, 1), "weight_gb": round(weight_bytes / 1e9, 3),
-                   "quantize_s": round(quantize_s, 1)}
-            if copy_gbs:
-                roofline = copy_gbs * 1e9 / weight_bytes  # as the weight passes' rooflines
-                row.update(roofline_tok_s=round(roofline, 1), ratio_to_roofline=round(tok_s / roofline, 3))
-            if method in targets:
-                row["target_tok_s"] = targets[method]
-            rows[method] = row
-        except Exception as exc:  # noqa: BLE001 - report and go on with the next method
-            rows[method] = {"error": f"{type(exc).__name__}: {exc}"}
-            traceback.print_exc()
-        print(method, rows[method], flush=True)
-        del engine
-        loaded = model = None
-        gpu_common.free_device_memory()
-    results["served"] = rows
-
-
 # ------------------------------------------------------------------------------------------ report
 
 def environment() -> dict:
@@ -401,7 +342,7 @@ def main() -> None:
                 ("crossover", lambda: section_crossover(shapes, results)),
                 ("sweep", lambda: section_sweep(shapes, results) if ARGS.sweep else None),
                 ("twins", lambda: section_twins(results, DEVICE.type) if not ARGS.smoke else None),
-                ("served", lambda: section_served(results) if not ARGS.smoke else None)]
+                ("served", lambda: section_served(results, DEVICE.type) if not ARGS.smoke else None)]
     for name, run in sections:
         if only and name not in only and name != "ceilings":
             continue

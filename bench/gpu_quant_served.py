@@ -1,0 +1,66 @@
+"""`bench/gpu_quant.py --only served`: the engine's own batch-1 decode with bf16 and in-situ quantized weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+
+import torch
+
+
+def section_served(results: dict, device: str) -> None:
+    """The engine's own decode (LLMEngine.step, CUDA graphs, 128-token prompt, 512 new tokens, batch 1)
+    with bf16 weights and each `--quantization` (in-situ quantized from the same random bf16 weights),
+    as bench/gpu_perf.py measures bf16. Roofline: copy bandwidth / the bytes of weights a step reads."""
+    import gpu_common
+    import gpu_perf
+
+    from inference_service.engine.sampling_params import SamplingParams
+    from inference_service.model.quantization import (
+        quantize_loaded_model,
+        summarize_model,
+    )
+
+    gpu_common.DEVICE = device
+    copy_gbs = results.get("ceilings", {}).get("copy_gbs")
+    dense, load_s = gpu_perf.load_llama()
+    rows = {"load_bf16_s": round(load_s, 1)}
+    targets = {"int4": 400, "fp8": 300}
+    for method in ("bf16", "int4", "int8", "fp8"):
+        engine = None
+        try:
+            t0 = time.perf_counter()
+            if method == "bf16":
+                loaded = dense
+            else:
+                model = quantize_loaded_model(dense.model, method, release=False)
+                loaded = dataclasses.replace(dense, model=model, quantization=summarize_model(model, f"in-situ {method}"))
+            quantize_s = time.perf_counter() - t0
+            weight_bytes = loaded.model.num_weight_bytes
+            engine = gpu_common.make_engine(loaded.model_path, device, "bfloat16", load_format="dummy",
+                                            loaded=loaded, max_cuda_graph_batch_size=8)  # batch 1 only
+            params = SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True)
+            prompt = torch.randint(0, 128000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+            engine.add_request(engine.input_processor.process("bench", prompt, params))
+            stamps = [time.perf_counter()]
+            while engine.has_unfinished:
+                engine.step()
+                stamps.append(time.perf_counter())
+            tok_s = 511 / (stamps[-1] - stamps[1])
+            row = {"decode_tok_s": round(tok_s, 1), "weight_gb": round(weight_bytes / 1e9, 3),
+                   "quantize_s": round(quantize_s, 1)}
+            if copy_gbs:
+                roofline = copy_gbs * 1e9 / weight_bytes  # as the weight passes' rooflines
+                row.update(roofline_tok_s=round(roofline, 1), ratio_to_roofline=round(tok_s / roofline, 3))
+            if method in targets:
+                row["target_tok_s"] = targets[method]
+            rows[method] = row
+        except Exception as exc:  # noqa: BLE001 - report and go on with the next method
+            rows[method] = {"error": f"{type(exc).__name__}: {exc}"}
+            traceback.print_exc()
+        print(method, rows[method], flush=True)
+        del engine
+        loaded = model = None
+        gpu_common.free_device_memory()
+    results["served"] = rows
