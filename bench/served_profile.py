@@ -27,6 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from served_path import loadtest  # noqa: E402
+
 from inference_service.metrics import _PREFIX  # noqa: E402
 from tests.grpc_client import start_engine  # noqa: E402
 
@@ -48,13 +50,6 @@ def histogram_totals(metrics_port: int) -> dict[str, tuple[float, float]]:
                     total = totals.setdefault(name, [0.0, 0.0])
                     total[0 if sample.name.endswith("_sum") else 1] += sample.value
     return {name: tuple(v) for name, v in totals.items()}
-
-
-def run_loadtest(target: str, out_dir: str, args: argparse.Namespace, num_requests: int) -> None:
-    subprocess.run([sys.executable, "-m", "loadtest", "--backend", "grpc", "--target", target, "--num-requests",
-                    str(num_requests), "--input-len", str(args.input_len), "--max-tokens", str(args.max_tokens),
-                    "--max-concurrency", str(args.concurrency), "--ignore-eos", "--no-plots", "--no-progress",
-                    "--output-dir", out_dir], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
 
 
 def summarize(path: str) -> tuple[list, list, int]:
@@ -91,7 +86,9 @@ def main() -> None:
     engine = start_engine(*flags, log_path=os.path.join(args.out, "engine.log"), timeout_s=600)
     recorders = []
     try:
-        run_loadtest(engine.target, os.path.join(args.out, "warmup"), args, 4)
+        lens = (args.input_len, args.max_tokens)
+        loadtest("grpc", engine.target, os.path.join(args.out, "warmup"), num_requests=4, lens=lens,
+                 concurrency=args.concurrency)
         front_end = psutil.Process(engine.process.pid)
         processes = [(front_end.pid, "front_end")] + [(child.pid, "child") for child in front_end.children(True)
                                                        if "python" in child.name()]
@@ -101,16 +98,18 @@ def main() -> None:
                                                 "--format", "raw", "--idle", "--nonblocking", "--output", path],
                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path, role))
         before = histogram_totals(engine.metrics_port)
-        run_loadtest(engine.target, os.path.join(args.out, "loadtest"), args, args.num_requests)
+        loadtest("grpc", engine.target, os.path.join(args.out, "loadtest"), num_requests=args.num_requests, lens=lens,
+                 concurrency=args.concurrency)
         after = histogram_totals(engine.metrics_port)
     finally:
         for recorder, _, _ in recorders:
             recorder.send_signal(2)  # SIGINT: py-spy writes its file and exits
             recorder.wait(60)
         engine.stop()
-    lines = [f"# py-spy of the serving processes: {args.num_requests} requests of {args.input_len} tokens in, "
-             f"{args.max_tokens} out, {args.concurrency} at a time", "", f"serve flags: `{' '.join(flags)}`", "",
-             ("| engine histogram (during the profiled run) | mean ms | count |"), "|---|---:|---:|"]
+    title = (f"# py-spy of the serving processes: {args.num_requests} requests of {args.input_len} tokens in, "
+             f"{args.max_tokens} out, {args.concurrency} at a time")
+    lines = [title, "", f"serve flags: `{' '.join(flags)}`", "",
+             "| engine histogram (during the profiled run) | mean ms | count |", "|---|---:|---:|"]
     for name in HISTOGRAMS:
         (sum0, count0), (sum1, count1) = before.get(name, (0, 0)), after.get(name, (0, 0))
         if count1 > count0:
