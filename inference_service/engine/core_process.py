@@ -33,6 +33,7 @@ from inference_service.engine.core_messages import (
     StepOutput,
 )
 from inference_service.engine.embedding_engine import create_embedding_model
+from inference_service.engine.gc_heap import freeze_startup_heap
 from inference_service.engine.info import ModelInfo
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.model_loading import load_model_for, resolve_device
@@ -151,5 +152,8 @@ def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connect
     except Exception as e:  # noqa: BLE001 - reported to the front end, which fails its start with it
         outputs.send(CoreStartFailed(e))
         return
+    # The front end froze its own heap; this process holds the model and the block pool: without this, each
+    # full collection here walks them all in the middle of a step.
+    freeze_startup_heap()
     outputs.send(core.ready())
     core.run(commands, outputs)

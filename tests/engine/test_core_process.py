@@ -58,6 +58,9 @@ def engine(tmp_path):
 def test_core_runs_in_its_own_process_and_cancel_frees_blocks_there(engine):
     core = core_pid(engine)
     assert core != engine.process.pid
+    # Both processes keep their startup heaps out of the collector's walks
+    log = engine.log()
+    assert "gc_heap: froze" in log and "gc_heap[core]: froze" in log
     with grpc.insecure_channel(engine.target) as channel:
         stub = pb_grpc.InferenceServiceStub(channel)
         stream = GenerateStream(stub)
