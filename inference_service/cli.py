@@ -25,6 +25,13 @@ def _default(config_class, name: str):
     return f.default
 
 
+def _steps_window(text: str) -> tuple[int, int]:
+    start, sep, count = text.partition(":")
+    if not sep or not start.isdigit() or not count.isdigit():
+        raise argparse.ArgumentTypeError(f"expected START:COUNT (two integers), got {text!r}")
+    return int(start), int(count)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inference-service", description="LLM inference engine over gRPC.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +90,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before the previous one's tokens reach the host, so scheduling and "
                         "output processing overlap the GPU (default: on with CUDA, off on the CPU)")
+    m.add_argument("--profile-dir", default=None, metavar="DIR",
+                   help="write a torch.profiler trace (Chrome/Perfetto JSON) and a table of the top operators of "
+                        "the engine steps --profile-steps to DIR, from the process that runs them")
+    m.add_argument("--profile-steps", type=_steps_window, default=_default(EngineConfig, "profile_steps"),
+                   metavar="START:COUNT",
+                   help="which engine steps --profile-dir records, counting steps that launched work from 0 "
+                        "(default 16:16)")
     m.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template replacing the model's own (as vLLM's --chat-template)")
     m.add_argument("--generation-config", default="auto", metavar="auto|none|FOLDER",
@@ -198,6 +212,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_cuda_graph_batch_size=args.max_cuda_graph_batch_size,
         async_scheduling=args.async_scheduling,
         chat_template=args.chat_template,
+        profile_dir=args.profile_dir,
+        profile_steps=args.profile_steps,
         tensor_parallel_size=args.tensor_parallel_size,
         disable_custom_all_reduce=args.disable_custom_all_reduce,
         generation_config=args.generation_config,

@@ -105,6 +105,8 @@ class EngineConfig:
     generation_config: str = "auto"
     # Laid over those defaults: generation_config.json keys (temperature, max_new_tokens, ...) -> values.
     override_generation_config: dict = field(default_factory=dict)
+    profile_dir: str | None = None  # torch.profiler of engine steps `profile_steps` (start, count) -> this folder
+    profile_steps: tuple[int, int] = (16, 16)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -136,6 +138,8 @@ class EngineConfig:
             raise ValueError("--quantization and --dequantize contradict each other: give one")
         if self.max_cuda_graph_batch_size is not None and self.max_cuda_graph_batch_size < 1:
             raise ValueError(f"--max-cuda-graph-batch-size must be >= 1, got {self.max_cuda_graph_batch_size}")
+        if self.profile_steps[0] < 0 or self.profile_steps[1] < 1:
+            raise ValueError(f"--profile-steps START:COUNT needs START >= 0 and COUNT >= 1, got {self.profile_steps}")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template: no such file {self.chat_template!r}")
         if self.generation_config not in ("auto", "none") and not os.path.isdir(self.generation_config):

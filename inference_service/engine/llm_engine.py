@@ -22,6 +22,7 @@ from inference_service.engine.request import CompletionDelta, EngineRequest, Req
 from inference_service.engine.sampling_params import SamplingParams
 from inference_service.engine.scheduler import Scheduler, SchedulerOutput
 from inference_service.engine.sequence import FinishReason, Sequence
+from inference_service.engine.step_profiler import StepProfiler
 from inference_service.engine.structured_output import GrammarCompiler
 from inference_service.errors import EngineError, InvalidRequestError
 from inference_service.model.chat_template import load_chat_template
@@ -86,6 +87,8 @@ class LLMEngine:
         # A sequence may not outgrow the whole cache, or preempting it could never make room.
         self.max_seq_tokens = self.model_runner.max_seq_tokens
         self._generate_ids = itertools.count()
+        self.step_profiler = (StepProfiler(config.profile_dir, *config.profile_steps)
+                              if config.profile_dir is not None else None)
 
     @property
     def has_unfinished(self) -> bool:
@@ -202,6 +205,8 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         launched = None
         if not sched_out.is_empty:
+            if self.step_profiler is not None:
+                self.step_profiler.before_step()
             start = time.perf_counter()
             forward = self.model_runner.execute_model(sched_out.scheduled, self._in_flight and self._in_flight.launched)
             if forward.waits_for_previous_step:
@@ -212,6 +217,10 @@ class LLMEngine:
         self._in_flight = launched
         if not self.is_async_scheduling:
             deltas += self.wait_for_in_flight_step()
+        if launched is not None and self.step_profiler is not None:
+            self.step_profiler.after_step()
+            if self.step_profiler.is_done:
+                self.step_profiler = None
         return deltas
 
     def run_until_idle(self) -> list[CompletionDelta]:
