@@ -1,0 +1,105 @@
+"""Paged prefill attention tiles on this GPU, the way a served prefill calls it (Llama-3-8B heads: 32 query heads,
+8 KV heads, head_dim 128, pages of 16), for a bf16 and an fp8 KV cache, beside torch's SDPA backends on contiguous
+K/V (what a prefill without a cached prefix could call instead).
+
+    python bench/prefill_attention_tune.py [--lens 1024,4096] [--out DIR]
+
+Prints one line a (cache dtype, length, config) in TFLOP/s of causal attention FLOPs, and writes
+prefill_attention_tune.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from kernels import paged_prefill_attention  # noqa: E402
+from kernels._common import FP8_DTYPE  # noqa: E402
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+# (block_m, block_n, num_warps, num_stages); the first is the launcher's default
+CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 64, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4),
+           (128, 128, 8, 3), (128, 32, 8, 3), (128, 64, 4, 3), (64, 32, 4, 4)]
+
+
+def time_ms(call, reps: int = 20) -> float:
+    call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        for _ in range(reps):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / reps)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lens", default="1024,4096")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    for length in (int(x) for x in args.lens.split(",")):
+        pages = length // PAGE
+        q = torch.randn(length, NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(pages + 1, PAGE, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        block_tables = (torch.randperm(pages, device="cuda") + 1).to(torch.int32).view(1, pages)
+        qsl = torch.tensor([0, length], dtype=torch.int32, device="cuda")
+        seq_lens = torch.tensor([length], dtype=torch.int32, device="cuda")
+        out = torch.empty_like(q)
+        flops = 4 * NUM_Q_HEADS * HEAD_DIM * (length * (length + 1) // 2)
+
+        def record(kind: str, cfg, ms: float) -> None:
+            row = {"kind": kind, "len": length, "cfg": cfg, "ms": round(ms, 4),
+                   "TFLOPs": round(flops / (ms * 1e-3) / 1e12, 1)}
+            rows.append(row)
+            print(f"{kind:>12} len={length:5d} cfg={cfg}: {ms:.3f} ms {row['TFLOPs']:.0f} TFLOP/s", flush=True)
+
+        for kind, (kc, vc, scale) in {"paged bf16": (k, v, 1.0),
+                                      "paged fp8": (k.to(FP8_DTYPE), v.to(FP8_DTYPE), 0.5)}.items():
+            for bm, bn, warps, stages in CONFIGS:
+                try:
+                    record(kind, [bm, bn, warps, stages], time_ms(lambda: paged_prefill_attention(
+                        q, kc, vc, block_tables, qsl, seq_lens, length, HEAD_DIM**-0.5, out=out, k_scale=scale,
+                        v_scale=scale, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)))
+                except Exception as e:  # noqa: BLE001 - a config the compiler cannot fit is skipped
+                    print(f"{kind} cfg {bm},{bn},{warps},{stages} failed: {type(e).__name__}: {str(e)[:160]}")
+        qd = q.view(1, length, NUM_Q_HEADS, HEAD_DIM).transpose(1, 2)
+        kd = torch.randn(1, NUM_KV_HEADS, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        vd = torch.randn_like(kd)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            try:
+                with sdpa_kernel(backend):
+                    record("sdpa", backend.name, time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+                        qd, kd, vd, is_causal=True, enable_gqa=True)))
+            except Exception as e:  # noqa: BLE001
+                print(f"sdpa {backend.name} failed: {type(e).__name__}: {str(e)[:160]}")
+            try:  # GQA expanded to every query head (what a backend without enable_gqa needs)
+                ke, ve = kd.repeat_interleave(NUM_Q_HEADS // NUM_KV_HEADS, 1), vd.repeat_interleave(4, 1)
+                with sdpa_kernel(backend):
+                    record("sdpa expand", backend.name, time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+                        qd, ke, ve, is_causal=True)))
+            except Exception as e:  # noqa: BLE001
+                print(f"sdpa expanded {backend.name} failed: {type(e).__name__}: {str(e)[:160]}")
+        torch.cuda.empty_cache()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "prefill_attention_tune.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
