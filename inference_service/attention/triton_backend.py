@@ -6,6 +6,7 @@ One layer's step is two or three launches::
     decode-only step  -> paged_decode_attention             # one query per sequence, split-KV
     anything else     -> paged_decode_attention             # the leading one-token rows, if any
                          paged_prefill_attention            # the rest: prefills, chunks, prefix hits
+                      or torch SDPA per prompt              # the rest are whole fresh prompts (dense_prefill.py)
 
 The prefill kernel reads every key and value from the cache, new ones included, so the write comes
 first. Neither launch needs a host sync: the decode split count comes from the step's host-side
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from inference_service.attention.dense_prefill import dense_prefill_attention, fresh_prefill_spans
 from inference_service.attention.metadata import AttentionMetadata
 
 
@@ -29,11 +31,13 @@ class TritonPagedAttention:
 
     name = "triton"
 
-    def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0, dense_prefill: bool | None = None) -> None:
         import kernels  # noqa: PLC0415 - Triton only where this backend is chosen
 
         self._kernels = kernels
         self.k_scale, self.v_scale = k_scale, v_scale
+        # Fresh prompts through torch's fused SDPA (dense_prefill.py); None: on CUDA only, where it measured faster
+        self.dense_prefill = dense_prefill
         # Split count of the last decode launch, by (sequences, longest context): every layer of a
         # step asks the same, so it is computed once a step.
         self._splits_for: tuple[int, int] | None = None
@@ -73,6 +77,11 @@ class TritonPagedAttention:
                 num_kv_splits=self._num_kv_splits(num_decodes, metadata.max_seq_len, k_cache),
                 k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             )
+        is_dense = q.is_cuda if self.dense_prefill is None else self.dense_prefill
+        spans = fresh_prefill_spans(metadata, num_decodes, sliding_window, soft_cap) if is_dense else None
+        if spans is not None:
+            dense_prefill_attention(q, k, v, spans, scale, out)
+            return out
         # The prefill kernel finds each sequence's query rows at its query_start_loc entry, so the
         # rest of the batch keeps its absolute row offsets into q and out.
         kern.paged_prefill_attention(

@@ -158,3 +158,61 @@ def test_padded_decode_rows_touch_nothing():
     assert torch.equal(out_padded[:2], out)
     assert torch.equal(out_padded[2:], torch.zeros_like(out_padded[2:]))
     assert all(torch.equal(a, b) for a, b in zip(caches[0], caches[1]))
+
+
+# Whole fresh prompts past MIN_DENSE_PREFILL_TOKENS (after leading decodes) take torch's SDPA (dense_prefill.py)
+DENSE_CASES = {
+    "fresh_prompts": [(0, 300), (0, 240)],
+    "decodes_then_fresh_prompts": [(20, 1), (3, 1), (0, 530)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(DENSE_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fresh_prompts_take_sdpa_and_match_torch(case, dtype):
+    import types
+
+    import kernels
+
+    gen = torch.Generator().manual_seed(7)
+    num_q_heads, num_kv_heads, head_dim, block_size, num_blocks = 4, 2, 32, 16, 48
+    md, owned_slots, new_slots = _step(DENSE_CASES[case], block_size, num_blocks, gen)
+    num_tokens = md.query_start_loc_cpu[-1]
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype=dtype,
+                                                                                                  device=DEVICE)
+    qkv = qkv.view(num_tokens, -1, head_dim)
+    q, k, v = qkv[:, :num_q_heads], qkv[:, num_q_heads:num_q_heads + num_kv_heads], qkv[:, num_q_heads + num_kv_heads:]
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    ref_k, ref_v = (torch.randn(*cache_shape, generator=gen).to(dtype=dtype, device=DEVICE) for _ in range(2))
+    tri_k, tri_v = (torch.full(cache_shape, float("nan"), dtype=dtype, device=DEVICE) for _ in range(2))
+    for src, dst in ((ref_k, tri_k), (ref_v, tri_v)):
+        dst.view(-1, num_kv_heads, head_dim)[owned_slots] = src.view(-1, num_kv_heads, head_dim)[owned_slots]
+    scale = head_dim ** -0.5
+    ref = TorchPagedAttention().forward(q.double(), k.double(), v.double(), ref_k.double(), ref_v.double(), md, scale)
+    backend = TritonPagedAttention(dense_prefill=True)
+    # Without the paged prefill kernel: a step routed to it fails instead of passing unnoticed
+    backend._kernels = types.SimpleNamespace(write_kv_cache=kernels.write_kv_cache,
+                                             paged_decode_attention=kernels.paged_decode_attention,
+                                             choose_num_kv_splits=kernels.choose_num_kv_splits)
+    out = backend.forward(q, k, v, tri_k, tri_v, md, scale)
+    for name, tri, src in (("k", tri_k, k), ("v", tri_v, v)):
+        assert torch.equal(tri.view(-1, num_kv_heads, head_dim)[new_slots], src), f"{name} cache not written"
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_which_steps_take_the_dense_prefill():
+    from inference_service.attention.dense_prefill import fresh_prefill_spans
+
+    def spans(seqs, first=None, **kw):
+        md, _, _ = _step(seqs, 16, 256, torch.Generator().manual_seed(0))
+        return fresh_prefill_spans(md, md.num_decode_seqs if first is None else first, **kw)
+
+    assert spans([(0, 600)]) == [(0, 600)]
+    assert spans([(5, 1), (0, 300), (0, 300)]) == [(1, 301), (301, 601)]
+    assert spans([(0, 300), (16, 300)]) is None  # a prefix-cache hit: its keys are in the cache only
+    assert spans([(0, 500)]) is None  # too few tokens to beat one paged launch
+    assert spans([(0, 200)] * 5) is None  # too many prompts for a host loop
+    assert spans([(0, 600)], soft_cap=50.0) is None  # SDPA has no soft cap
+    assert spans([(0, 600)], sliding_window=512) is None
+    assert spans([(0, 600)], sliding_window=4096) == [(0, 600)]
+    assert spans([(3, 1), (4, 1)]) is None  # decodes only: nothing left for a prefill path
