@@ -175,7 +175,7 @@ def test_fresh_prompts_take_sdpa_and_match_torch(case, dtype):
     import kernels
 
     gen = torch.Generator().manual_seed(7)
-    num_q_heads, num_kv_heads, head_dim, block_size, num_blocks = 4, 2, 32, 16, 48
+    num_q_heads, num_kv_heads, head_dim, block_size, num_blocks = 4, 2, 64, 16, 48
     md, owned_slots, new_slots = _step(DENSE_CASES[case], block_size, num_blocks, gen)
     num_tokens = md.query_start_loc_cpu[-1]
     qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype=dtype,
