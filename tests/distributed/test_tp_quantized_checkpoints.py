@@ -18,12 +18,14 @@ from inference_service.errors import UnsupportedModelError
 from inference_service.model.loader import load_model
 from tests.quant.checkpoints import write_quantized
 
-# "gptq-bias": q/k/v/o biases beside the packed weights (o_proj's is row-parallel: rank 0 adds it).
-FORMATS = ("gptq", "gptq-channel", "awq", "ct-w4a16", "ct-fp8", "fp8-block", "gptq-bias")
-LABELS = {"gptq": "gptq", "gptq-channel": "gptq", "awq": "awq", "ct-w4a16": "compressed-tensors",
-          "ct-fp8": "fp8", "fp8-block": "fp8", "gptq-bias": "gptq"}
+# "gptq-bias": q/k/v/o biases beside the packed weights (o_proj's is row-parallel: rank 0 adds it); the other
+# int formats come without biases. NOTE: each int format costs ~25 s of Triton interpreter a side, so GPTQ
+# group 128 is checked with biases only.
+FORMATS = ("gptq-bias", "gptq-channel", "awq", "ct-w4a16", "ct-fp8", "fp8-block")
+LABELS = {"gptq-channel": "gptq", "awq": "awq", "ct-w4a16": "compressed-tensors", "ct-fp8": "fp8",
+          "fp8-block": "fp8", "gptq-bias": "gptq"}
 PROMPTS = [[256, 72, 101, 108, 108, 111, 44, 32, 119], [256, 84, 80, 33]]
-NUM_NEW_TOKENS = 4
+NUM_NEW_TOKENS = 3
 CHUNK = 5
 
 
