@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -26,26 +27,33 @@ def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def require(cond: bool, msg: str) -> None:
+def require(cond: bool, msg: str | Callable[[], str]) -> None:
+    """Raises ValueError(msg) unless `cond`. A message that formats values comes as a lambda: these checks run
+    on every eager launch, and an f-string would be formatted each time, failing or not (~90 us a Triton
+    launch of a 1k prefill step went to wrappers, the checks' messages first)."""
     if not cond:
-        raise ValueError(msg)
+        raise ValueError(msg() if callable(msg) else msg)
 
 
 def require_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
-    require(t.dtype in allowed, f"{name}: dtype {t.dtype} not in {allowed}")
+    if t.dtype not in allowed:
+        raise ValueError(f"{name}: dtype {t.dtype} not in {allowed}")
 
 
 def require_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    require(tuple(t.shape) == tuple(shape), f"{name}: shape {tuple(t.shape)} != expected {tuple(shape)}")
+    if t.shape != tuple(shape):
+        raise ValueError(f"{name}: shape {tuple(t.shape)} != expected {tuple(shape)}")
 
 
 def require_same_device(**tensors: torch.Tensor) -> None:
-    devices = {t.device for t in tensors.values()}
-    require(len(devices) == 1, f"tensors on different devices: { {k: str(v.device) for k, v in tensors.items()} }")
+    # get_device() is an int (-1 on the CPU): no torch.device built a tensor
+    if len({t.get_device() for t in tensors.values()}) != 1:
+        raise ValueError(f"tensors on different devices: { {k: str(v.device) for k, v in tensors.items()} }")
 
 
 def require_inner_contiguous(name: str, t: torch.Tensor) -> None:
-    require(t.stride(-1) == 1, f"{name}: last dimension must be contiguous (stride {t.stride(-1)})")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: last dimension must be contiguous (stride {t.stride(-1)})")
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -43,7 +43,7 @@ def silu_and_mul(
     out: torch.Tensor | None = None,  # [num_tokens, d]
 ) -> torch.Tensor:
     """silu(gate) * up, computed in fp32, rounded once to out's dtype."""
-    require(x.dim() == 2 and x.shape[1] % 2 == 0, f"x: expected [num_tokens, 2 * d], got {tuple(x.shape)}")
+    require(x.dim() == 2 and x.shape[1] % 2 == 0, lambda: f"x: expected [num_tokens, 2 * d], got {tuple(x.shape)}")
     num_tokens, two_d = x.shape
     d = two_d // 2
     require_dtype("x", x, ACT_DTYPES)

@@ -145,9 +145,9 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: Fp8Weight, bias: torch.
     """Triton fp8 GEMM: xq [M, K] e4m3 with x_scale [M, K / block_k] against `w` -> [M, N] out_dtype."""
     m, k = xq.shape
     n = w.shape[0]
-    require(tuple(x_scale.shape) == (m, triton.cdiv(k, w.block_k)), f"x_scale: expected {(m, triton.cdiv(k, w.block_k))}")
+    require(tuple(x_scale.shape) == (m, triton.cdiv(k, w.block_k)), lambda: f"x_scale: expected {(m, triton.cdiv(k, w.block_k))}")
     block_k = min(128, w.block_k & -w.block_k)  # the largest power of two dividing the scale group
-    require(block_k >= 16, f"block_k {w.block_k}: a multiple of 16 expected")
+    require(block_k >= 16, lambda: f"block_k {w.block_k}: a multiple of 16 expected")
     block_m = block_m or (16 if m <= 16 else 64)
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     opts = {} if is_interpreter() else {"num_warps": num_warps, "num_stages": num_stages}
@@ -173,12 +173,12 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
     accumulation. Up to MAX_FP8_GEMV_ROWS rows (decode) x stays as it is (`fp8_gemv`); past them it is
     quantized to e4m3 per row and block_k columns for the fp8 x fp8 GEMM."""
     n, k = w.shape
-    require(x.dim() == 2 and x.shape[1] == k, f"x: expected [M, {k}], got {tuple(x.shape)}")
+    require(x.dim() == 2 and x.shape[1] == k, lambda: f"x: expected [M, {k}], got {tuple(x.shape)}")
     require_dtype("x", x, ACT_DTYPES)
     require_inner_contiguous("x", x)
-    require(bias is None or tuple(bias.shape) == (n,), f"bias: expected [{n}], got {None if bias is None else tuple(bias.shape)}")
+    require(bias is None or tuple(bias.shape) == (n,), lambda: f"bias: expected [{n}], got {None if bias is None else tuple(bias.shape)}")
     require(residual is None or tuple(residual.shape) == (x.shape[0], n),
-            f"residual: expected {[x.shape[0], n]}, got {None if residual is None else list(residual.shape)}")
+            lambda: f"residual: expected {[x.shape[0], n]}, got {None if residual is None else list(residual.shape)}")
     if x.shape[0] <= MAX_FP8_GEMV_ROWS:
         return fp8_gemv(x, w.weight, w.scale, w.block_n, w.block_k, bias, residual=residual)
     y = fp8_quantized_matmul(x, w, bias)

@@ -175,22 +175,22 @@ def gemv(
     the output is x @ w.T + residual (the decoder's residual add). Tile arguments left None come
     from `gemv_config`."""
     require(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1] * (2 if gated else 1),
-            f"x [M, {'2K' if gated else 'K'}] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
+            lambda: f"x [M, {'2K' if gated else 'K'}] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
     num_rows = x.shape[0]
     n, k = w.shape
-    require(1 <= num_rows <= MAX_GEMV_ROWS, f"x: 1..{MAX_GEMV_ROWS} rows, got {num_rows}")
+    require(1 <= num_rows <= MAX_GEMV_ROWS, lambda: f"x: 1..{MAX_GEMV_ROWS} rows, got {num_rows}")
     require_dtype("x", x, ACT_DTYPES)
     require_dtype("w", w, ACT_DTYPES)
     require_inner_contiguous("x", x)
     require_inner_contiguous("w", w)
-    require(bias is None or tuple(bias.shape) == (n,), f"bias: expected [{n}], got {None if bias is None else tuple(bias.shape)}")
+    require(bias is None or tuple(bias.shape) == (n,), lambda: f"bias: expected [{n}], got {None if bias is None else tuple(bias.shape)}")
     require(norm_weight is None or (not gated and tuple(norm_weight.shape) == (k,)),
-            f"norm_weight: expected [{k}] and no gate, got {None if norm_weight is None else tuple(norm_weight.shape)}")
+            lambda: f"norm_weight: expected [{k}] and no gate, got {None if norm_weight is None else tuple(norm_weight.shape)}")
     require(residual is None or (tuple(residual.shape) == (num_rows, n) and residual.stride(-1) == 1),
-            f"residual: expected [{num_rows}, {n}] with contiguous rows, got {None if residual is None else tuple(residual.shape)}")
+            lambda: f"residual: expected [{num_rows}, {n}] with contiguous rows, got {None if residual is None else tuple(residual.shape)}")
     if out is None:
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
-    require(tuple(out.shape) == (num_rows, n), f"out: shape {tuple(out.shape)} != {(num_rows, n)}")
+    require(tuple(out.shape) == (num_rows, n), lambda: f"out: shape {tuple(out.shape)} != {(num_rows, n)}")
     require_inner_contiguous("out", out)
     require_same_device(x=x, w=w, out=out)
     tiles = gemv_config(num_rows, n, has_prologue=gated or norm_weight is not None)

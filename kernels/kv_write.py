@@ -132,10 +132,10 @@ def write_kv_cache(
     The cache dtype is k's or fp8 e4m3; for fp8 the stored value is k / k_scale (v / v_scale)
     saturated to +-448 and rounded to nearest even. Slots must be distinct and < num_blocks * block_size.
     """
-    require(k.dim() == 3, f"k: expected [num_tokens, num_kv_heads, head_dim], got {tuple(k.shape)}")
+    require(k.dim() == 3, lambda: f"k: expected [num_tokens, num_kv_heads, head_dim], got {tuple(k.shape)}")
     num_tokens, num_kv_heads, head_dim = k.shape
     require_shape("v", v, tuple(k.shape))
-    require(k_cache.dim() == 4, f"k_cache: expected 4 dims, got {tuple(k_cache.shape)}")
+    require(k_cache.dim() == 4, lambda: f"k_cache: expected 4 dims, got {tuple(k_cache.shape)}")
     require_shape("k_cache", k_cache, (k_cache.shape[0], k_cache.shape[1], num_kv_heads, head_dim))
     require_shape("v_cache", v_cache, tuple(k_cache.shape))
     require_shape("slot_mapping", slot_mapping, (num_tokens,))
@@ -144,7 +144,7 @@ def write_kv_cache(
     require_dtype("k_cache", k_cache, CACHE_DTYPES)
     require(v_cache.dtype == k_cache.dtype, "k_cache and v_cache dtypes differ")
     quant = k_cache.dtype == FP8_DTYPE
-    require(quant or k_cache.dtype == k.dtype, f"k_cache dtype {k_cache.dtype} must be k's ({k.dtype}) or fp8")
+    require(quant or k_cache.dtype == k.dtype, lambda: f"k_cache dtype {k_cache.dtype} must be k's ({k.dtype}) or fp8")
     require(k_scale > 0 and v_scale > 0, "k_scale and v_scale must be positive")
     require_dtype("slot_mapping", slot_mapping, (torch.int64, torch.int32))
     require(slot_mapping.is_contiguous(), "slot_mapping must be contiguous")

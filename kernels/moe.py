@@ -236,22 +236,22 @@ def fused_moe(
     x's dtype. The intermediate activations are rounded to x's dtype (as the per-expert loop in that
     dtype rounds them); accumulation is fp32. The block sizes default by the number of pairs; `use_gemv`
     (default: at most `decode_max_pairs` pairs) runs the per-pair GEMVs instead of the grouped GEMMs."""
-    require(x.dim() == 2, f"x: expected [T, H], got {tuple(x.shape)}")
+    require(x.dim() == 2, lambda: f"x: expected [T, H], got {tuple(x.shape)}")
     num_tokens, hidden = x.shape
     require(gate_up_proj.dim() == 3 and gate_up_proj.shape[1] % 2 == 0,
-            f"gate_up_proj: expected [E, 2 I, H], got {tuple(gate_up_proj.shape)}")
+            lambda: f"gate_up_proj: expected [E, 2 I, H], got {tuple(gate_up_proj.shape)}")
     num_experts, two_i, _ = gate_up_proj.shape
     intermediate = two_i // 2
     require_shape("gate_up_proj", gate_up_proj, (num_experts, two_i, hidden))
     require_shape("down_proj", down_proj, (num_experts, hidden, intermediate))
     require(topk_ids.dim() == 2 and topk_ids.shape[0] == num_tokens,
-            f"topk_ids: expected [{num_tokens}, k], got {tuple(topk_ids.shape)}")
+            lambda: f"topk_ids: expected [{num_tokens}, k], got {tuple(topk_ids.shape)}")
     require_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
     for name, t in (("x", x), ("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
         require_dtype(name, t, ACT_DTYPES)
-        require(t.dtype == x.dtype, f"{name}: dtype {t.dtype} differs from x's {x.dtype}")
+        require(t.dtype == x.dtype, lambda: f"{name}: dtype {t.dtype} differs from x's {x.dtype}")
         require(t.stride(-1) == 1 and (t.dim() < 3 or t.stride(1) == t.shape[2]),
-                f"{name}: rows must be contiguous")
+                lambda: f"{name}: rows must be contiguous")
     require_same_device(x=x, gate_up_proj=gate_up_proj, down_proj=down_proj, topk_ids=topk_ids,
                         topk_weights=topk_weights)
     top_k = topk_ids.shape[1]

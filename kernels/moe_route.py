@@ -76,13 +76,13 @@ def moe_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
     """x [T, H], router_weight [E, H] -> (weights [T, k] float32 holding values of x's dtype, expert ids
     [T, k] int64), as `model/moe.route` computes them (see the module doc)."""
     require(x.dim() == 2 and router_weight.dim() == 2 and router_weight.shape[1] == x.shape[1],
-            f"x {tuple(x.shape)} and router_weight {tuple(router_weight.shape)}: expected [T, H] and [E, H]")
+            lambda: f"x {tuple(x.shape)} and router_weight {tuple(router_weight.shape)}: expected [T, H] and [E, H]")
     num_tokens = x.shape[0]
     num_experts = router_weight.shape[0]
-    require(0 < top_k <= num_experts, f"top_k must be in [1, {num_experts}] (the experts), got {top_k}")
-    require(num_experts <= MAX_ROUTE_EXPERTS, f"{num_experts} experts: at most {MAX_ROUTE_EXPERTS}")
+    require(0 < top_k <= num_experts, lambda: f"top_k must be in [1, {num_experts}] (the experts), got {top_k}")
+    require(num_experts <= MAX_ROUTE_EXPERTS, lambda: f"{num_experts} experts: at most {MAX_ROUTE_EXPERTS}")
     require_dtype("x", x, ACT_DTYPES)
-    require(router_weight.dtype == x.dtype, f"router_weight: dtype {router_weight.dtype} differs from x's {x.dtype}")
+    require(router_weight.dtype == x.dtype, lambda: f"router_weight: dtype {router_weight.dtype} differs from x's {x.dtype}")
     require(x.stride(1) == 1 and router_weight.stride(1) == 1, "x and router_weight rows must be contiguous")
     require_same_device(x=x, router_weight=router_weight)
     weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=x.device)

@@ -58,7 +58,7 @@ def _rms_norm_kernel(
 
 
 def _launch(x, residual, weight, eps, out, weight_offset):
-    require(x.dim() == 2, f"x: expected [num_tokens, hidden], got {tuple(x.shape)}")
+    require(x.dim() == 2, lambda: f"x: expected [num_tokens, hidden], got {tuple(x.shape)}")
     num_tokens, hidden = x.shape
     require_dtype("x", x, ACT_DTYPES)
     require_shape("weight", weight, (hidden,))

@@ -114,19 +114,19 @@ def quant_matmul(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None 
     n, k = w.shape
     is_fused = gated or norm_weight is not None or residual is not None
     require(x.dim() == 2 and x.shape[1] == k * (2 if gated else 1),
-            f"x: expected [M, {'2K = ' + str(2 * k) if gated else k}], got {tuple(x.shape)}")
+            lambda: f"x: expected [M, {'2K = ' + str(2 * k) if gated else k}], got {tuple(x.shape)}")
     require(1 <= x.shape[0] and (not is_fused or x.shape[0] <= MAX_QUANT_GEMV_ROWS),
-            f"x: 1..{MAX_QUANT_GEMV_ROWS} rows with gated / norm_weight / residual, got {x.shape[0]}")
+            lambda: f"x: 1..{MAX_QUANT_GEMV_ROWS} rows with gated / norm_weight / residual, got {x.shape[0]}")
     require_dtype("x", x, ACT_DTYPES)
     require_inner_contiguous("x", x)
-    require(bias is None or tuple(bias.shape) == (n,), f"bias: expected [{n}], got {None if bias is None else tuple(bias.shape)}")
+    require(bias is None or tuple(bias.shape) == (n,), lambda: f"bias: expected [{n}], got {None if bias is None else tuple(bias.shape)}")
     require(norm_weight is None or (not gated and tuple(norm_weight.shape) == (k,)),
-            f"norm_weight: expected [{k}] and no gate, got {None if norm_weight is None else tuple(norm_weight.shape)}")
+            lambda: f"norm_weight: expected [{k}] and no gate, got {None if norm_weight is None else tuple(norm_weight.shape)}")
     require(residual is None or (tuple(residual.shape) == (x.shape[0], n) and residual.stride(-1) == 1),
-            f"residual: expected [{x.shape[0]}, {n}] with contiguous rows, got {None if residual is None else tuple(residual.shape)}")
+            lambda: f"residual: expected [{x.shape[0]}, {n}] with contiguous rows, got {None if residual is None else tuple(residual.shape)}")
     if out is not None:
         require(tuple(out.shape) == (x.shape[0], n) and out.dtype == x.dtype,
-                f"out: expected [{x.shape[0]}, {n}] {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+                lambda: f"out: expected [{x.shape[0]}, {n}] {x.dtype}, got {tuple(out.shape)} {out.dtype}")
         require_inner_contiguous("out", out)
     require_same_device(x=x, qs=w.qs, scales=w.scales)
     if x.shape[0] <= QUANT_GEMV_FASTER_ROWS or is_fused:

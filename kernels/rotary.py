@@ -109,21 +109,21 @@ def apply_rotary(
 
     Positions must lie in [0, max_position). q and k may be strided views (e.g. of a fused qkv
     output); the last dim must be contiguous."""
-    require(q.dim() == 3, f"q: expected [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
+    require(q.dim() == 3, lambda: f"q: expected [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
     num_tokens, num_q_heads, head_dim = q.shape
-    require(cos_sin_cache.dim() == 2, f"cos_sin_cache: expected [max_position, rotary_dim], got {tuple(cos_sin_cache.shape)}")
+    require(cos_sin_cache.dim() == 2, lambda: f"cos_sin_cache: expected [max_position, rotary_dim], got {tuple(cos_sin_cache.shape)}")
     rotary_dim = cos_sin_cache.shape[1]
-    require(rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim, f"rotary_dim {rotary_dim} must be even and <= head_dim {head_dim}")
+    require(rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim, lambda: f"rotary_dim {rotary_dim} must be even and <= head_dim {head_dim}")
     require_dtype("q", q, ACT_DTYPES)
     require_dtype("cos_sin_cache", cos_sin_cache, ACT_DTYPES)
     require(cos_sin_cache.stride(1) == 1, "cos_sin_cache rows must be contiguous")
-    require(positions.shape == (num_tokens,), f"positions: shape {tuple(positions.shape)} != ({num_tokens},)")
+    require(positions.shape == (num_tokens,), lambda: f"positions: shape {tuple(positions.shape)} != ({num_tokens},)")
     require_dtype("positions", positions, (torch.int64, torch.int32))
     require(positions.is_contiguous(), "positions must be contiguous")
     require_inner_contiguous("q", q)
     num_kv_heads = 1
     if k is not None:
-        require(k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, f"k: shape {tuple(k.shape)}")
+        require(k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, lambda: f"k: shape {tuple(k.shape)}")
         require(k.dtype == q.dtype, "q and k dtypes differ")
         require_inner_contiguous("k", k)
         num_kv_heads = k.shape[1]

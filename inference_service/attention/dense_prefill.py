@@ -55,14 +55,23 @@ def dense_prefill_attention(
     v: torch.Tensor,  # [T, Hkv, D]
     spans: list[tuple[int, int]],
     scale: float,
-    out: torch.Tensor,  # [T, Hq, D]; rows of `spans` written
-) -> None:
+    out: torch.Tensor | None = None,  # [T, Hq, D]; rows of `spans` written
+) -> torch.Tensor:
     """Causal attention of each span's queries over the span's own keys (grouped-query heads as the paged
-    kernels: query head h reads KV head h // (Hq // Hkv))."""
-    with sdpa_kernel(_BACKENDS, set_priority=True):
+    kernels: query head h reads KV head h // (Hq // Hkv)). Writes into `out`; without one, `spans` must be the
+    one span of every row, and SDPA's own output comes back (no copy: a single fresh prompt's step)."""
+    with sdpa_kernel(_backends(spans), set_priority=True):
         for lo, hi in spans:
             o = F.scaled_dot_product_attention(  # [1, Hq, L, D]
                 q[lo:hi].transpose(0, 1).unsqueeze(0), k[lo:hi].transpose(0, 1).unsqueeze(0),
                 v[lo:hi].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=True,
-            )
-            out[lo:hi].copy_(o[0].transpose(0, 1))
+            )[0].transpose(0, 1)  # [L, Hq, D]
+            if out is None:
+                assert spans == [(0, q.shape[0])], spans
+                return o
+            out[lo:hi].copy_(o)
+    return out
+
+
+def _backends(spans: list[tuple[int, int]]) -> list[SDPBackend]:
+    return _BACKENDS

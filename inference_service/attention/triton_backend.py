@@ -64,8 +64,12 @@ class TritonPagedAttention:
                 num_kv_splits=self._num_kv_splits(metadata.num_seqs, metadata.max_seq_len, k_cache),
                 k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             )  # [T, Hq, D]
-        out = torch.empty_like(q)  # [T, Hq, D]; rows past query_start_loc[-1] unwritten
         num_decodes = metadata.num_decode_seqs
+        is_dense = q.is_cuda if self.dense_prefill is None else self.dense_prefill
+        spans = fresh_prefill_spans(metadata, num_decodes, sliding_window, soft_cap) if is_dense else None
+        if spans is not None and num_decodes == 0 and spans == [(0, q.shape[0])]:
+            return dense_prefill_attention(q, k, v, spans, scale)  # one fresh prompt: SDPA's output as is
+        out = torch.empty_like(q)  # [T, Hq, D]; rows past query_start_loc[-1] unwritten
         if num_decodes:
             # NOTE: the prefill kernel gives a one-token query a program per query head, each reading
             # its KV head's whole context (a GQA group reads it group times over); the decode kernel
@@ -77,8 +81,6 @@ class TritonPagedAttention:
                 num_kv_splits=self._num_kv_splits(num_decodes, metadata.max_seq_len, k_cache),
                 k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             )
-        is_dense = q.is_cuda if self.dense_prefill is None else self.dense_prefill
-        spans = fresh_prefill_spans(metadata, num_decodes, sliding_window, soft_cap) if is_dense else None
         if spans is not None:
             dense_prefill_attention(q, k, v, spans, scale, out)
             return out

@@ -115,6 +115,9 @@ def profile_activation_bytes(model: torch.nn.Module, spec: KVCacheSpec, max_num_
         return torch.cuda.max_memory_allocated(device) - base
 
     prefill = peak_of(query_lens)
+    # NOTE: a long fresh prompt attends through SDPA (attention/dense_prefill.py), a short one through the paged
+    # prefill kernel: this step compiles that kernel now rather than on the first short prompt (seconds).
+    peak_of([min(spec.block_size, max_num_tokens)])
     decode = peak_of([1] * max_graph_batch) if max_graph_batch else 0
     logits = max_graph_batch * model.config.vocab_size * 4
     del one_block, caches

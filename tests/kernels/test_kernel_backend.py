@@ -163,6 +163,7 @@ def test_padded_decode_rows_touch_nothing():
 # Whole fresh prompts past MIN_DENSE_PREFILL_TOKENS (after leading decodes) take torch's SDPA (dense_prefill.py)
 DENSE_CASES = {
     "fresh_prompts": [(0, 300), (0, 240)],
+    "one_fresh_prompt": [(0, 530)],  # SDPA's output returned as is
     "decodes_then_fresh_prompts": [(20, 1), (3, 1), (0, 530)],
 }
 

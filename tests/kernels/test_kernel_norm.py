@@ -68,3 +68,17 @@ def test_rms_norm_checks_arguments():
         fused_add_rms_norm(x, torch.randn(3, 32, device=DEVICE), torch.ones(64, device=DEVICE), 1e-6)
     with pytest.raises(ValueError, match="contiguous"):
         rms_norm(x.t(), torch.ones(3, device=DEVICE), 1e-6)
+
+
+def test_checks_format_their_message_only_when_failing():
+    from kernels._common import require
+
+    def unformattable() -> str:
+        raise AssertionError("formatted although the check passed")
+
+    require(True, unformattable)  # launch paths pass their messages as lambdas: nothing formatted on success
+    with pytest.raises(ValueError, match=r"^x: shape \(3, 64\)$"):
+        require(False, lambda: f"x: shape {(3, 64)}")
+    with pytest.raises(ValueError, match=r"^out: shape \(3, 65\) != expected \(3, 64\)$"):
+        rms_norm(torch.randn(3, 64, device=DEVICE), torch.ones(64, device=DEVICE), 1e-6,
+                 out=torch.empty(3, 65, device=DEVICE))
