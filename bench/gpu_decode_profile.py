@@ -190,7 +190,7 @@ def profile_section(results: dict, out_dir: str, batch: int = 1, context: int = 
     engine = gpu_perf._engine(loaded, max_num_seqs=max(batch, 256), kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(engine.input_processor.process(f"p{i}", gpu_perf._random_prompt(context, i), params))
+        engine.add_request(engine.input_processor.process(f"p{i}", gpu_perf._random_prompt(context, i, min(128000, loaded.config.vocab_size)), params))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running + list(
             engine.scheduler.waiting)):
         engine.step()  # prefills

@@ -48,8 +48,8 @@ def _engine(loaded, **kwargs) -> LLMEngine:
     return engine
 
 
-def _random_prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 128000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+def _random_prompt(n: int, seed: int, vocab_size: int = 128000) -> list[int]:
+    return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 DECODE_MODES = {"graphs": (False, True), "graphs_nopdl": (False, True), "graphs_sync": (False, False),
