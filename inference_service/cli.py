@@ -87,6 +87,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="largest decode batch captured as a CUDA graph; larger ones run eagerly (default: "
                         "--max-num-seqs, so every decode step replays a graph; captured sizes 1, 2, 4, 8, 16, ... "
                         "8 apart below 256 and 16 apart above)")
+    m.add_argument("--max-prefill-graph-tokens", type=int, default=_default(EngineConfig, "max_prefill_graph_tokens"),
+                   metavar="N",
+                   help="a whole fresh prompt of up to N tokens (when it is a step alone) replays a CUDA graph "
+                        "captured at start-up, lengths 128 apart, instead of launching each kernel: the time to "
+                        "first token of short prompts is the GPU's, not the host's; 0 = eager prefills")
     m.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before the previous one's tokens reach the host, so scheduling and "
                         "output processing overlap the GPU (default: on with CUDA, off on the CPU)")
@@ -210,6 +215,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         max_cuda_graph_batch_size=args.max_cuda_graph_batch_size,
+        max_prefill_graph_tokens=args.max_prefill_graph_tokens,
         async_scheduling=args.async_scheduling,
         chat_template=args.chat_template,
         profile_dir=args.profile_dir,

@@ -92,6 +92,8 @@ class EngineConfig:
     # Largest decode batch captured as a CUDA graph (larger ones run eagerly); None = --max-num-seqs, so every
     # decode step the scheduler can form replays a graph. Read it through `cuda_graph_batch_size`.
     max_cuda_graph_batch_size: int | None = None
+    # A whole fresh prompt up to this many tokens replays a captured prefill graph (0: prefills run eagerly).
+    max_prefill_graph_tokens: int = 2048
     # Schedule and launch step N+1 before waiting for step N; None = on for CUDA, off on the CPU
     # (where the model runs in the calling thread, so nothing would overlap).
     async_scheduling: bool | None = None
@@ -136,6 +138,8 @@ class EngineConfig:
             raise ValueError(f"--quantization must be fp8, int8 or int4, got {self.quantization!r}")
         if self.quantization is not None and self.dequantize:
             raise ValueError("--quantization and --dequantize contradict each other: give one")
+        if self.max_prefill_graph_tokens < 0:
+            raise ValueError(f"--max-prefill-graph-tokens must be >= 0, got {self.max_prefill_graph_tokens}")
         if self.max_cuda_graph_batch_size is not None and self.max_cuda_graph_batch_size < 1:
             raise ValueError(f"--max-cuda-graph-batch-size must be >= 1, got {self.max_cuda_graph_batch_size}")
         if self.profile_steps[0] < 0 or self.profile_steps[1] < 1:

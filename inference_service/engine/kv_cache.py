@@ -85,9 +85,10 @@ def allocate_kv_caches(spec: KVCacheSpec, cache_config: CacheConfig, device: tor
 
 @torch.inference_mode()
 def profile_activation_bytes(model: torch.nn.Module, spec: KVCacheSpec, max_num_tokens: int, max_graph_batch: int,
-                             max_model_len: int, device: torch.device) -> int:
+                             max_model_len: int, device: torch.device, max_prefill_graph_tokens: int = 0) -> int:
     """Peak bytes a prefill step of `max_num_tokens` tokens needs, plus those a decode step of
-    `max_graph_batch` rows keeps in the graph pool, plus the graphs' shared logits buffer.
+    `max_graph_batch` rows keeps in the graph pool, plus the graphs' shared logits buffer, plus those a
+    prefill of `max_prefill_graph_tokens` keeps in the prefill graphs' pool.
 
     Runs on a one-block cache: every block-table entry is block 0 and no slot is written (-1), so
     the attention reads garbage but finite keys, which is all a memory profile needs."""
@@ -119,9 +120,11 @@ def profile_activation_bytes(model: torch.nn.Module, spec: KVCacheSpec, max_num_
     # prefill kernel: this step compiles that kernel now rather than on the first short prompt (seconds).
     peak_of([min(spec.block_size, max_num_tokens)])
     decode = peak_of([1] * max_graph_batch) if max_graph_batch else 0
+    prefill_graphs = peak_of([max_prefill_graph_tokens]) if max_prefill_graph_tokens else 0
     logits = max_graph_batch * model.config.vocab_size * 4
     del one_block, caches
     torch.cuda.empty_cache()
-    logger.info("activation peaks: prefill of %d tokens %.0f MiB, decode of %d rows %.0f MiB", max_num_tokens,
-                prefill / 2**20, max_graph_batch, decode / 2**20)
-    return prefill + decode + logits
+    logger.info("activation peaks: prefill of %d tokens %.0f MiB, decode of %d rows %.0f MiB, prefill graphs to "
+                "%d tokens %.0f MiB", max_num_tokens, prefill / 2**20, max_graph_batch, decode / 2**20,
+                max_prefill_graph_tokens, prefill_graphs / 2**20)
+    return prefill + decode + prefill_graphs + logits

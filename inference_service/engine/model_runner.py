@@ -17,6 +17,7 @@ from inference_service.config import EngineConfig
 from inference_service.engine import prompt_logprobs
 from inference_service.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from inference_service.engine.kv_cache import KVCacheSpec, allocate_kv_caches, profile_activation_bytes
+from inference_service.engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes
 from inference_service.engine.prompt_logprobs import PendingPromptLogprobs
 from inference_service.engine.request import TokenLogprob
 from inference_service.engine.sampler import PendingSample, Sampler
@@ -98,12 +99,18 @@ class ModelRunner:
         # The model's own config: a tensor-parallel rank's holds its share of the KV heads.
         self.kv_spec = KVCacheSpec.build(self.model.config, config.cache, dtype, backend.name)
         graph_batch = config.cuda_graph_batch_size if uses_decode_graphs(device, config, backend.name) else 0
+        # Tensor parallelism: eager prefills (the other ranks follow the decode graphs only).
+        peers = getattr(self.model, "graph_step", None)
+        prefill_graph_tokens = (min(config.max_prefill_graph_tokens, sched.max_num_batched_tokens, max_model_len)
+                                if graph_batch and peers is None else 0)
+        prefill_graph_sizes_ = prefill_graph_sizes(prefill_graph_tokens)
 
         reserve = 0
         if device.type == "cuda" and config.cache.kv_cache_memory_mib is None:
-            # Peak activations of the largest prefill step and of the largest graph, left free.
+            # Peak activations of the largest prefill step and of the largest graphs, left free.
             reserve = profile_activation_bytes(self.model, self.kv_spec, sched.max_num_batched_tokens,
-                                               graph_batch, max_model_len, device)
+                                               graph_batch, max_model_len, device,
+                                               max(prefill_graph_sizes_, default=0))
         self.num_blocks, self.kv_caches = allocate_kv_caches(self.kv_spec, config.cache, device, reserve)
         self.max_seq_tokens = min(max_model_len, self.num_blocks * self.block_size)
         max_blocks_per_seq = -(-self.max_seq_tokens // self.block_size)
@@ -114,14 +121,17 @@ class ModelRunner:
         self.sampling_rows = SamplingRows(self.sampling_state)
         self.num_sampling_waits = 0  # steps whose sampling waited for the step before (formats)
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         if graph_batch:
             vocab = loaded.config.vocab_size
             self._graph_logits = torch.empty((graph_batch, vocab), dtype=torch.float32, device=device)
             # Tensor parallelism: the other ranks follow each graph's warm-up, capture and replay.
-            peers = getattr(self.model, "graph_step", None)
             self.graphs = DecodeGraphs(self._forward_into_graph_logits, self.inputs, capture_sizes(graph_batch),
                                        self.max_seq_tokens, device,
                                        announce=functools.partial(peers, self.kv_caches) if peers else None)
+            if prefill_graph_sizes_:
+                self.prefill_graphs = PrefillGraphs(self._forward_into_prefill_logits, self.inputs,
+                                                    prefill_graph_sizes_, device)
 
     @torch.inference_mode()
     def execute_model(self, scheduled: list[ScheduledSeq], in_flight: LaunchedStep | None = None) -> ForwardStep:
@@ -131,13 +141,17 @@ class ModelRunner:
         `ForwardStep.waits_for_previous_step` says so."""
         num_seqs = len(scheduled)
         padded = self._graph_size(scheduled)
+        prefill_padded = self._prefill_graph_size(scheduled) if padded is None else None
         pending = None if in_flight is None else in_flight.pending
-        input_ids, positions, metadata = self.inputs.prepare(scheduled, pad_to=padded, pending=pending)
+        input_ids, positions, metadata = self.inputs.prepare(scheduled, pad_to=padded, pending=pending,
+                                                             pad_tokens_to=prefill_padded)
         rows = [i for i, s in enumerate(scheduled) if s.is_sampling]
         prompt_rows = (prompt_logprobs.select_rows(scheduled, metadata.query_start_loc_cpu)
-                       if padded is None else None)
+                       if padded is None and prefill_padded is None else None)
         pending_prompt = None
-        if padded is not None:
+        if prefill_padded is not None:
+            logits = self.prefill_graphs.replay(prefill_padded, scheduled[0].num_new_tokens)  # [1, vocab]
+        elif padded is not None:
             logits = self.graphs.replay(padded)[:num_seqs]  # [S, vocab], one row a sequence
             if not rows:
                 return ForwardStep([], None, False)
@@ -188,6 +202,25 @@ class ModelRunner:
                                       for s in scheduled):
             return None
         return self.graphs.padded_size(len(scheduled))
+
+    def _prefill_graph_size(self, scheduled: list[ScheduledSeq]) -> int | None:
+        """The captured prompt length this step replays at: a step of one whole fresh prompt (nothing of it
+        cached, its last token sampled, no prompt logprobs) no longer than the longest graph; else None."""
+        if self.prefill_graphs is None or len(scheduled) != 1:
+            return None
+        s = scheduled[0]
+        if s.start != 0 or s.num_new_tokens < 2 or not s.is_sampling or s.seq.is_collecting_prompt_logprobs:
+            return None
+        return self.prefill_graphs.padded_size(s.num_new_tokens)
+
+    def _forward_into_prefill_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                                     metadata: AttentionMetadata, last_row: torch.Tensor) -> torch.Tensor:
+        """A prefill graph's body: the forward, and the logits of row `last_row` ([1] on the device) written
+        into the decode graphs' shared buffer's first row (graphs never run at once)."""
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [size, hidden]
+        out = self._graph_logits[:1]
+        out.copy_(self.model.compute_logits(hidden.index_select(0, last_row)))
+        return out
 
     def _forward_into_graph_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                                    metadata: AttentionMetadata) -> torch.Tensor:

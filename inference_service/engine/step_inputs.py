@@ -79,12 +79,14 @@ class StepInputs:
         self._row_num_blocks = [0] * max_num_seqs
 
     def prepare(self, scheduled: list[ScheduledSeq], pad_to: int | None = None,
-                pending: PendingTokenIds | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+                pending: PendingTokenIds | None = None,
+                pad_tokens_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids [T], positions [T], metadata) for the step, T = its number of tokens.
 
-        `pad_to` (decode-only steps) pads the batch to that many one-token sequences. `pending`
-        holds the ids of tokens not yet on the host (decode rows of sequences sampled by the step
-        in flight)."""
+        `pad_to` (decode-only steps) pads the batch to that many one-token sequences; `pad_tokens_to` (one
+        prompt, for a prefill graph) pads its token rows to that many, the sequence's lengths unchanged.
+        `pending` holds the ids of tokens not yet on the host (decode rows of sequences sampled by the
+        step in flight)."""
         if self._copied is not None:
             self._copied.synchronize()
         bs = self.block_size
@@ -134,6 +136,12 @@ class StepInputs:
             seq_lens[num_seqs:pad_to] = 0
             query_start_loc[num_seqs + 1:pad_to + 1] = np.arange(num_tokens + 1, pad_to + 1)
             num_seqs = num_tokens = pad_to
+        if pad_tokens_to is not None and pad_tokens_to > num_tokens:
+            assert num_seqs == 1, "only a single prompt's tokens are padded"
+            slots[num_tokens:pad_tokens_to] = -1
+            input_ids[num_tokens:pad_tokens_to] = 0
+            positions[num_tokens:pad_tokens_to] = 0
+            num_tokens = pad_tokens_to
         device_input_ids = self.input_ids.upload(num_tokens)
         if num_pending:
             rows, sources = self.pending_rows.upload(num_pending), self.pending_sources.upload(num_pending)
