@@ -130,8 +130,12 @@ class ModelRunner:
                                        self.max_seq_tokens, device,
                                        announce=functools.partial(peers, self.kv_caches) if peers else None)
             if prefill_graph_sizes_:
-                self.prefill_graphs = PrefillGraphs(self._forward_into_prefill_logits, self.inputs,
-                                                    prefill_graph_sizes_, device)
+                try:
+                    self.prefill_graphs = PrefillGraphs(self._forward_into_prefill_logits, self.inputs,
+                                                        prefill_graph_sizes_, device)
+                except RuntimeError as e:  # a kernel that cannot be captured: slower first tokens, not no server
+                    logger.warning("prefill CUDA graphs not captured (%s): prefills run eagerly", e)
+                    torch.cuda.synchronize(device)
 
     @torch.inference_mode()
     def execute_model(self, scheduled: list[ScheduledSeq], in_flight: LaunchedStep | None = None) -> ForwardStep:
