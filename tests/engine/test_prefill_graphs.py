@@ -2,7 +2,7 @@
 
 On the CPU a `StepGraph` replays its captured body over the same buffers (the engine itself captures only on a
 GPU), so the padding, the captured metadata and the last-row pick are checked here; the engine-level check of a
-GPU (graphs on vs off, greedy tokens) is tests/engine/test_prefill_graphs.py::test_engine_on_a_gpu_*.
+GPU (graphs on vs off, greedy tokens) is the last test here.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from inference_service.engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes
-from inference_service.model.dummy import load_dummy_model
-from test_step_inputs import _scheduled, _seq
-
 from inference_service.engine.step_inputs import StepInputs
+from inference_service.model.dummy import load_dummy_model
+from kernels._common import is_interpreter
+from test_step_inputs import _scheduled, _seq
 
 BLOCK_SIZE, NUM_BLOCKS, NUM_KV_HEADS, HEAD_DIM = 16, 40, 1, 32
 
@@ -54,6 +54,7 @@ def _caches(model):
              torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)) for _ in range(model.config.num_hidden_layers)]
 
 
+@pytest.mark.skipif(not is_interpreter(), reason="the CPU stand-in of a graph, with Triton's interpreter")
 @pytest.mark.parametrize("num_tokens", [20, 32, 2])
 def test_replay_equals_the_eager_step(model, num_tokens):
     gen = torch.Generator().manual_seed(num_tokens)
