@@ -40,11 +40,14 @@ def _rotate_heads(
     stride_head,
     cos,
     sin,
+    norm_ptr,  # [2 * HALF] per-head RMSNorm weight (HAS_NORM)
+    eps,
     NUM_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     IS_NEOX: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
     offs_h = tl.arange(0, BLOCK_H)
     offs_i = tl.arange(0, BLOCK_HALF)
@@ -58,6 +61,14 @@ def _rotate_heads(
     row = x_ptr + token * stride_tok + offs_h[:, None] * stride_head
     x1 = tl.load(row + i1[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(row + i2[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        # QK-norm (Qwen3): each head's RMSNorm over its whole row (= the rotary pairs), rounded to the
+        # activation dtype as the norm kernel would store it, then rotated
+        inv_rms = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)  # [BLOCK_H]
+        w1 = tl.load(norm_ptr + i1, mask=offs_i < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_ptr + i2, mask=offs_i < HALF, other=0.0).to(tl.float32)
+        x1 = cast(x1 * inv_rms[:, None] * w1[None, :], x_ptr.dtype.element_ty).to(tl.float32)
+        x2 = cast(x2 * inv_rms[:, None] * w2[None, :], x_ptr.dtype.element_ty).to(tl.float32)
     y1 = x1 * cos[None, :] - x2 * sin[None, :]
     y2 = x2 * cos[None, :] + x1 * sin[None, :]
     tl.store(row + i1[None, :], cast(y1, x_ptr.dtype.element_ty), mask=mask)
@@ -70,6 +81,9 @@ def _rotary_kernel(
     k_ptr,  # [num_tokens, num_kv_heads, head_dim]
     positions_ptr,  # [num_tokens]
     cos_sin_ptr,  # [max_position, rotary_dim]
+    q_norm_ptr,  # [head_dim] (HAS_NORM)
+    k_norm_ptr,
+    eps,
     stride_q_tok,
     stride_q_head,
     stride_k_tok,
@@ -83,6 +97,7 @@ def _rotary_kernel(
     BLOCK_HALF: tl.constexpr,
     IS_NEOX: tl.constexpr,
     HAS_K: tl.constexpr,
+    HAS_NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
@@ -92,9 +107,11 @@ def _rotary_kernel(
     i_mask = offs_i < HALF
     cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_i, mask=i_mask, other=0.0).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_i, mask=i_mask, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, token, stride_q_tok, stride_q_head, cos, sin, NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF, IS_NEOX)
+    _rotate_heads(q_ptr, token, stride_q_tok, stride_q_head, cos, sin, q_norm_ptr, eps, NUM_Q_HEADS, HALF, BLOCK_HQ,
+                  BLOCK_HALF, IS_NEOX, HAS_NORM)
     if HAS_K:
-        _rotate_heads(k_ptr, token, stride_k_tok, stride_k_head, cos, sin, NUM_KV_HEADS, HALF, BLOCK_HK, BLOCK_HALF, IS_NEOX)
+        _rotate_heads(k_ptr, token, stride_k_tok, stride_k_head, cos, sin, k_norm_ptr, eps, NUM_KV_HEADS, HALF,
+                      BLOCK_HK, BLOCK_HALF, IS_NEOX, HAS_NORM)
 
 
 def apply_rotary(
@@ -104,11 +121,16 @@ def apply_rotary(
     cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim]
     *,
     is_neox: bool = True,
+    q_norm_weight: torch.Tensor | None = None,  # [head_dim]: each head RMSNorm-ed first (QK-norm)
+    k_norm_weight: torch.Tensor | None = None,  # [head_dim]
+    norm_eps: float = 1e-6,
 ) -> None:
     """Rotate the first `rotary_dim` dims of every head of q (and k) by its token's position.
 
-    Positions must lie in [0, max_position). q and k may be strided views (e.g. of a fused qkv
-    output); the last dim must be contiguous."""
+    With `q_norm_weight` / `k_norm_weight` (both, and a rotary over the whole head), each head of q and k is
+    first RMS-normalized with its weight (Qwen3's QK-norm; one launch instead of a norm a tensor and the
+    copies out of the fused projection a strided row needed). Positions must lie in [0, max_position). q and k
+    may be strided views (e.g. of a fused qkv output); the last dim must be contiguous."""
     require(q.dim() == 3, lambda: f"q: expected [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
     num_tokens, num_q_heads, head_dim = q.shape
     require(cos_sin_cache.dim() == 2, lambda: f"cos_sin_cache: expected [max_position, rotary_dim], got {tuple(cos_sin_cache.shape)}")
@@ -130,6 +152,14 @@ def apply_rotary(
         require_same_device(q=q, k=k, positions=positions, cos_sin_cache=cos_sin_cache)
     else:
         require_same_device(q=q, positions=positions, cos_sin_cache=cos_sin_cache)
+    has_norm = q_norm_weight is not None
+    if has_norm or k_norm_weight is not None:
+        require(has_norm and k is not None and k_norm_weight is not None, "QK-norm needs q, k and both weights")
+        require(rotary_dim == head_dim, lambda: f"QK-norm with the rotary needs rotary_dim == head_dim ({rotary_dim} != {head_dim})")
+        for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+            require(w.shape == (head_dim,) and w.is_contiguous(), lambda name=name, w=w: f"{name}: shape {tuple(w.shape)}")
+            require_dtype(name, w, ACT_DTYPES)
+        require(norm_eps > 0, "norm_eps must be positive")
     if num_tokens == 0:
         return
     half = rotary_dim // 2
@@ -139,6 +169,9 @@ def apply_rotary(
         k if k is not None else q,
         positions,
         cos_sin_cache,
+        q_norm_weight if has_norm else cos_sin_cache,
+        k_norm_weight if has_norm else cos_sin_cache,
+        float(norm_eps),
         q.stride(0),
         q.stride(1),
         k.stride(0) if k is not None else 0,
@@ -152,6 +185,7 @@ def apply_rotary(
         BLOCK_HALF=next_pow2(half),
         IS_NEOX=is_neox,
         HAS_K=k is not None,
+        HAS_NORM=has_norm,
         **opts,
         **pdl_args(q.device),
     )

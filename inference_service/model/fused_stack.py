@@ -152,7 +152,13 @@ class FusedStack:
         """qkv [T, q + 2 kv] (the fused projection's output) -> attention output [T, q], before o_proj."""
         num_tokens = qkv.shape[0]
         q_end, k_end = attn.q_size, attn.q_size + attn.kv_size
-        if attn.q_norm is None:
+        qk_norm = {}
+        if attn.q_norm is not None and not attn.q_norm.offset and self.cos_sin_cache.shape[1] == attn.head_dim \
+                and attn.q_norm.eps == attn.k_norm.eps:
+            # QK-norm folded into the rotary kernel, on the views
+            qk_norm = {"q_norm_weight": attn.q_norm.weight, "k_norm_weight": attn.k_norm.weight,
+                       "norm_eps": attn.q_norm.eps}
+        if attn.q_norm is None or qk_norm:
             q = qkv[:, :q_end].view(num_tokens, attn.num_heads, attn.head_dim)  # views of qkv, rotated in place
             k = qkv[:, q_end:k_end].view(num_tokens, attn.num_kv_heads, attn.head_dim)
         else:
@@ -164,7 +170,7 @@ class FusedStack:
             kernels.rms_norm(k, attn.k_norm.weight, attn.k_norm.eps, out=k)
             q = q.view(num_tokens, attn.num_heads, attn.head_dim)
             k = k.view(num_tokens, attn.num_kv_heads, attn.head_dim)
-        kernels.apply_rotary(q, k, positions, self.cos_sin_cache, is_neox=True)
+        kernels.apply_rotary(q, k, positions, self.cos_sin_cache, is_neox=True, **qk_norm)
         v = qkv[:, k_end:].view(num_tokens, attn.num_kv_heads, attn.head_dim)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, attn.scale,
                                    sliding_window=attn.sliding_window, soft_cap=attn.soft_cap)  # [T, Hq, D]

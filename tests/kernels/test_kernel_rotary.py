@@ -99,3 +99,43 @@ def test_rotary_checks_arguments():
         apply_rotary(q, None, torch.zeros(3, dtype=torch.int64, device=DEVICE), build_cos_sin_cache(128, 16, 1e4, device=DEVICE))
     with pytest.raises(ValueError, match="rope_type"):
         build_cos_sin_cache(64, 16, 1e4, {"rope_type": "longrope"})
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_qk_norm_folded_into_the_rotary_equals_norm_then_rotary(is_neox, dtype):
+    """Qwen3's QK-norm in the rotary launch, on views of the fused projection: each head RMS-normalized with its
+    weight, rounded to the activation dtype, then rotated; v untouched."""
+    from kernels import rms_norm, rms_norm_ref
+
+    num_tokens, num_q_heads, num_kv_heads, head_dim, eps = 5, 4, 2, 64, 1e-6
+    gen = torch.Generator().manual_seed(11)
+    cache = build_cos_sin_cache(head_dim, 4096, 10000.0, device=DEVICE)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(DEVICE)
+    qkv = (torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, generator=gen) * 3).to(DEVICE, dtype)
+    q_w, k_w = (torch.rand(head_dim, generator=gen) + 0.5).to(DEVICE, dtype), torch.rand(head_dim, generator=gen).to(DEVICE, dtype)
+    q_end, k_end = num_q_heads * head_dim, (num_q_heads + num_kv_heads) * head_dim
+    # the unfused kernels' way: copies of q and k normed, then rotated
+    q_sep = qkv[:, :q_end].reshape(-1, head_dim).clone()
+    k_sep = qkv[:, q_end:k_end].reshape(-1, head_dim).clone()
+    q_ref = rotary_ref(rms_norm_ref(q_sep, q_w, eps)[0].to(dtype).view(num_tokens, num_q_heads, head_dim), positions,
+                       cache, is_neox=is_neox)
+    k_ref = rotary_ref(rms_norm_ref(k_sep, k_w, eps)[0].to(dtype).view(num_tokens, num_kv_heads, head_dim), positions,
+                       cache, is_neox=is_neox)
+    rms_norm(q_sep, q_w, eps, out=q_sep)
+    rms_norm(k_sep, k_w, eps, out=k_sep)
+    q_sep, k_sep = q_sep.view(num_tokens, num_q_heads, head_dim), k_sep.view(num_tokens, num_kv_heads, head_dim)
+    apply_rotary(q_sep, k_sep, positions, cache, is_neox=is_neox)
+
+    v_before = qkv[:, k_end:].clone()
+    q = qkv[:, :q_end].view(num_tokens, num_q_heads, head_dim)
+    k = qkv[:, q_end:k_end].view(num_tokens, num_kv_heads, head_dim)
+    apply_rotary(q, k, positions, cache, is_neox=is_neox, q_norm_weight=q_w, k_norm_weight=k_w, norm_eps=eps)
+    assert rel_err(q, q_ref) <= TOL[dtype] and rel_err(k, k_ref) <= TOL[dtype]
+    torch.testing.assert_close(q, q_sep, rtol=1e-5 if dtype == F32 else 1.6e-2, atol=1e-5 if dtype == F32 else 1e-2)
+    torch.testing.assert_close(k, k_sep, rtol=1e-5 if dtype == F32 else 1.6e-2, atol=1e-5 if dtype == F32 else 1e-2)
+    assert torch.equal(qkv[:, k_end:], v_before)
+    with pytest.raises(ValueError, match="QK-norm needs q, k and both weights"):
+        apply_rotary(q, k, positions, cache, q_norm_weight=q_w)
+    with pytest.raises(ValueError, match="rotary_dim == head_dim"):
+        apply_rotary(q, k, positions, cache[:, :32].contiguous(), q_norm_weight=q_w, k_norm_weight=k_w)
