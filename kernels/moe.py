@@ -276,6 +276,8 @@ def fused_moe(
         # NOTE: few pairs (decode): narrow column tiles spread the experts' weights over more programs.
         # Chosen by bench/moe_kernel_tune.py on an H100 at Qwen3-30B-A3B's shapes.
         block_n, block_k = block_n or (32 if block_m == 16 else 128), block_k or 128
+        if x.dtype == torch.float32:  # 4-byte tiles: 128 x 128 of gate and up outgrow shared memory (288 KB)
+            block_n, block_k = min(block_n, 64), min(block_k, 64)
     for a, w, o, n, k, gated in ((x, gate_up_proj, h, intermediate, hidden, True),
                                  (h, down_proj, y, hidden, intermediate, False)):
         grid = (block_expert.shape[0], triton.cdiv(n, block_n))
