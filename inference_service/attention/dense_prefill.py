@@ -60,7 +60,7 @@ def dense_prefill_attention(
     """Causal attention of each span's queries over the span's own keys (grouped-query heads as the paged
     kernels: query head h reads KV head h // (Hq // Hkv)). Writes into `out`; without one, `spans` must be the
     one span of every row, and SDPA's own output comes back (no copy: a single fresh prompt's step)."""
-    with sdpa_kernel(_backends(spans), set_priority=True):
+    with sdpa_kernel(_BACKENDS, set_priority=True):
         for lo, hi in spans:
             o = F.scaled_dot_product_attention(  # [1, Hq, L, D]
                 q[lo:hi].transpose(0, 1).unsqueeze(0), k[lo:hi].transpose(0, 1).unsqueeze(0),
@@ -72,6 +72,3 @@ def dense_prefill_attention(
             out[lo:hi].copy_(o)
     return out
 
-
-def _backends(spans: list[tuple[int, int]]) -> list[SDPBackend]:
-    return _BACKENDS
