@@ -249,9 +249,9 @@ def fused_moe(
     require_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
     for name, t in (("x", x), ("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
         require_dtype(name, t, ACT_DTYPES)
-        require(t.dtype == x.dtype, lambda: f"{name}: dtype {t.dtype} differs from x's {x.dtype}")
+        require(t.dtype == x.dtype, lambda name=name, t=t: f"{name}: dtype {t.dtype} differs from x's {x.dtype}")
         require(t.stride(-1) == 1 and (t.dim() < 3 or t.stride(1) == t.shape[2]),
-                lambda: f"{name}: rows must be contiguous")
+                lambda name=name: f"{name}: rows must be contiguous")
     require_same_device(x=x, gate_up_proj=gate_up_proj, down_proj=down_proj, topk_ids=topk_ids,
                         topk_weights=topk_weights)
     top_k = topk_ids.shape[1]
