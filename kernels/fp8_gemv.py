@@ -87,17 +87,18 @@ def _fp8_gemv_kernel(
 
 
 def fp8_gemv_config(num_rows: int, n: int, is_k_blocked: bool = False) -> dict:
-    """Tiles measured best at one row (`bench/gpu_quant.py --sweep`, Llama-3-8B's projections, H100,
-    2026-11-26): per-channel scales take a 1024-wide K tile and 8 columns a program on 4 warps (0.77-1.89
-    -> 1.56-2.39 TB/s); with scales in [128, 128] blocks, when a K tile stopped at a block, more columns a
-    program on 8 warps won on the wide layers (gate_up 0.74 -> 2.26 TB/s). Tiles spanning several blocks (one
-    row) take the same columns and the K tile below; that pair is not measured yet. More rows narrow the K
-    tile, keeping the products of a step in the register budget."""
+    """Tiles measured best at one row (`bench/gpu_quant.py --sweep`, Llama-3-8B's projections, 2026-11-26):
+    per-channel scales take a 1024-wide K tile and 8 columns a program on 4 warps (H100: 0.77-1.89 -> 1.56-2.39
+    TB/s). Scales in [128, 128] blocks, with K tiles spanning several blocks at one row: 1024-wide K tiles on 4
+    warps, 16 columns on the wide layers (qkv, gate_up) and 4 on the narrow ones (H200: gate_up 0.41 -> 2.61,
+    qkv 0.95 -> 1.92, o 1.21 -> 1.49, down 1.36 -> 1.75 TB/s against the 8-warp tiles made for K tiles inside
+    a block). More rows narrow the K tile, keeping the products of a step in the register budget."""
     block_m = next_pow2(num_rows)
     if is_k_blocked:
-        block_n, num_warps = (32 if n >= 16384 else 16 if n >= 6144 else 8), 8
-    else:
-        block_n, num_warps = 8, 4
+        block_n, num_warps = (16 if n >= 6144 else 4), 4
+        block_k = max(64, min(1024, 16384 // (block_m * block_n)))
+        return {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": 3}
+    block_n, num_warps = 8, 4
     block_k = max(64, min(1024, 8192 // (block_m * block_n)))
     return {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": 3}
 

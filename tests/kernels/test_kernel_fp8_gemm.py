@@ -40,7 +40,11 @@ def test_fp8_linear_matches_reference(scaling, dtype, num_rows):
         bias = torch.randn(n, generator=gen).to(dtype=dtype, device=DEVICE) if num_rows > 1 else None
         out = fp8_linear(x, w, bias)
         assert out.dtype == dtype and out.shape == (num_rows, n)
-        assert rel_err(out, fp8_matmul_ref(x, w, bias)) < TOL[dtype], (scaling, n, k)
+        # NOTE: past MAX_FP8_GEMV_ROWS the product runs on fp8 tensor cores, whose accumulation on Hopper
+        # keeps ~14 significant bits, not fp32's (DeepSeek-V3's report): fp32 activations match to that there
+        # (H100, 4096 x 4096, 33 rows: 1.3e-4).
+        tol = TOL[dtype] if not ON_GPU or num_rows <= MAX_FP8_GEMV_ROWS else max(TOL[dtype], 5e-4)
+        assert rel_err(out, fp8_matmul_ref(x, w, bias)) < tol, (scaling, n, k)
 
 
 def test_fp8_gemv_decodes_every_e4m3_code_exactly():
@@ -83,7 +87,7 @@ def test_fp8_quantization_error_against_the_unquantized_matmul():
     wq, ws = quantize_fp8_groups(w16, 128)  # per-row groups of 128 = blocks (1, 128)
     w = Fp8Weight(wq, ws.float(), 1, 128)
     assert rel_err(dequantize_fp8(w), w16) < 0.05
-    assert rel_err(fp8_linear(x.float().to(DEVICE), w.to(DEVICE)), x @ w16.T) < 0.06
+    assert rel_err(fp8_linear(x.float().to(DEVICE), w.to(DEVICE)).cpu(), x @ w16.T) < 0.06
 
 
 def test_fp8_arguments_are_checked():
