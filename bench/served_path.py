@@ -106,8 +106,6 @@ def in_process(flags: list[str], setup: dict, out_path: str) -> None:
                          "preemptions": engine.scheduler.num_preemptions}
     # Again after the load, as the served runs measure TTFT: what the engine's state after a load costs
     result["ttft_ms_after_load"] = _ttft_ms(engine, setup, seed=60)
-    if os.environ.get("SERVED_PATH_PROFILE_PREFILL") and common.DEVICE == "cuda":
-        result["prefill_profile_after_load"] = _prefill_profile(engine, max(setup["ttft_lens"]))
 
     # The FLOP roofline of a prompt of n tokens: 2 FLOPs per weight per token + causal attention (QK^T, PV)
     cfg = engine.loaded.config
@@ -143,26 +141,6 @@ def _ttft_ms(engine, setup: dict, seed: int) -> dict:
             times.append(time.perf_counter() - t0)
         best[str(n)] = round(min(times) * 1e3, 2)
     return best
-
-
-def _prefill_profile(engine, n: int) -> dict:
-    """One n-token prompt's TTFT under torch.profiler (SERVED_PATH_PROFILE_PREFILL=1): the top ops by
-    device time and by host time, to say where a slow prefill goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from inference_service.engine.sampling_params import SamplingParams
-
-    engine.add_request(engine.input_processor.process("profiled", _prompt(n, 99, engine),
-                                                      SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)))
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        engine.run_until_idle()
-    events = prof.key_averages()
-
-    def top(attr: str) -> list:
-        rows = sorted(events, key=lambda e: -getattr(e, attr, 0))[:12]
-        return [[e.key[:80], round(getattr(e, attr, 0) / 1e3, 3), e.count] for e in rows]
-
-    return {"by_device_ms": top("self_device_time_total"), "by_host_ms": top("self_cpu_time_total")}
 
 
 def _prompt(n: int, seed: int, engine) -> list[int]:

@@ -97,6 +97,34 @@ class StepGraph:
             self._body()
 
 
+def capture_graphs(device: torch.device, sizes: list[int],
+                   prepare: Callable[[int], tuple[AttentionMetadata, Callable[[], torch.Tensor]]],
+                   announce: Announce = _alone) -> tuple[dict[int, StepGraph], dict[int, torch.Tensor], int]:
+    """One graph a size, largest first into one pool (the smaller ones reuse its blocks). `prepare(size)` fills
+    the buffers for that size and returns (metadata, body): the body is run once eagerly (compiles and autotunes
+    outside the capture), then captured. Returns (graphs, what each body returned, graph memory in bytes)."""
+    is_cuda = device.type == "cuda"
+    free_before = torch.cuda.mem_get_info(device)[0] if is_cuda else 0
+    pool = new_graph_pool(device)
+    graphs, outputs = {}, {}
+    for size in sorted(sizes, reverse=True):
+        metadata, body = prepare(size)
+        with announce(GraphPhase.WARMUP, size, metadata):
+            body()
+            synchronize(device)
+        graph = StepGraph(device, pool)
+        with announce(GraphPhase.CAPTURE, size, metadata):
+            outputs[size] = graph.capture(body)
+        graphs[size] = graph
+    synchronize(device)
+    return graphs, outputs, free_before - torch.cuda.mem_get_info(device)[0] if is_cuda else 0
+
+
+def smallest_fit(sizes: list[int], n: int) -> int | None:
+    """The smallest of the sorted `sizes` >= n; None if n is past the largest."""
+    return sizes[bisect.bisect_left(sizes, n)] if n <= sizes[-1] else None
+
+
 class DecodeGraphs:
     """Captured decode steps for `sizes` batch sizes over `inputs`' buffers."""
 
@@ -105,32 +133,22 @@ class DecodeGraphs:
                  announce: Announce | None = None):
         self.sizes = sorted(sizes)
         self.max_batch_size = self.sizes[-1]
-        self.graphs: dict[int, StepGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # batch size -> [size, vocab] float32 (what forward returned)
         self._announce = announce or _alone
-        is_cuda = device.type == "cuda"
-        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0] if is_cuda else 0
-        pool = new_graph_pool(device)
-        for size in reversed(self.sizes):
+
+        def prepare(size: int):
             metadata = _padding_metadata(inputs, size, max_seq_len)
-            input_ids, positions = inputs.input_ids.device[:size], inputs.positions.device[:size]
-            with self._announce(GraphPhase.WARMUP, size, metadata):
-                forward(input_ids, positions, metadata)
-                synchronize(device)
-            graph = StepGraph(device, pool)
-            with self._announce(GraphPhase.CAPTURE, size, metadata):
-                self.logits[size] = graph.capture(lambda ids=input_ids, pos=positions, md=metadata: forward(ids, pos, md))
-            self.graphs[size] = graph
-        synchronize(device)
-        self.memory_bytes = free_before - torch.cuda.mem_get_info(device)[0] if is_cuda else 0
+            ids, pos = inputs.input_ids.device[:size], inputs.positions.device[:size]
+            return metadata, lambda: forward(ids, pos, metadata)
+
+        start = time.perf_counter()
+        # logits: batch size -> [size, vocab] float32 (what forward returned)
+        self.graphs, self.logits, self.memory_bytes = capture_graphs(device, self.sizes, prepare, self._announce)
         logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s, %.0f MiB", len(self.sizes),
                     self.sizes[0], self.max_batch_size, time.perf_counter() - start, self.memory_bytes / 2**20)
 
     def padded_size(self, num_seqs: int) -> int | None:
         """The captured size a decode step of `num_seqs` sequences runs at; None if none fits."""
-        if num_seqs > self.max_batch_size:
-            return None
-        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+        return smallest_fit(self.sizes, num_seqs)
 
     def replay(self, size: int) -> torch.Tensor:
         """Runs the graph of `size` over the buffers as they are now; its logits [size, vocab]."""

@@ -17,7 +17,6 @@ Tensor parallelism keeps eager prefills (its ranks would have to follow each rep
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from inference_service.attention.metadata import AttentionMetadata
-from inference_service.engine.cuda_graphs import StepGraph, new_graph_pool, synchronize
+from inference_service.engine.cuda_graphs import capture_graphs, smallest_fit
 from inference_service.engine.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -52,30 +51,20 @@ class PrefillGraphs:
         self.max_tokens = self.sizes[-1]
         self.inputs = inputs
         self.last_row = torch.zeros(1, dtype=torch.int64, device=device)  # the prompt's last row, set a replay
-        self.graphs: dict[int, StepGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        is_cuda = device.type == "cuda"
-        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0] if is_cuda else 0
-        pool = new_graph_pool(device)
-        for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool's blocks
+
+        def prepare(size: int):
             metadata = self._capture_metadata(size)
-            input_ids, positions = inputs.input_ids.device[:size], inputs.positions.device[:size]
-            forward(input_ids, positions, metadata, self.last_row)  # warm-up: compiles outside the capture
-            synchronize(device)
-            graph = StepGraph(device, pool)
-            self.logits[size] = graph.capture(
-                lambda ids=input_ids, pos=positions, md=metadata: forward(ids, pos, md, self.last_row))
-            self.graphs[size] = graph
-        synchronize(device)
-        self.memory_bytes = free_before - torch.cuda.mem_get_info(device)[0] if is_cuda else 0
+            ids, pos = inputs.input_ids.device[:size], inputs.positions.device[:size]
+            return metadata, lambda: forward(ids, pos, metadata, self.last_row)
+
+        start = time.perf_counter()
+        self.graphs, self.logits, self.memory_bytes = capture_graphs(device, self.sizes, prepare)
         logger.info("captured %d prefill CUDA graphs (prompts of %d..%d tokens) in %.1f s, %.0f MiB", len(self.sizes),
                     self.sizes[0], self.max_tokens, time.perf_counter() - start, self.memory_bytes / 2**20)
 
     def padded_size(self, num_tokens: int) -> int | None:
         """The captured length a prompt of `num_tokens` runs at; None if it is longer than every one."""
-        if num_tokens > self.max_tokens:
-            return None
-        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
+        return smallest_fit(self.sizes, num_tokens)
 
     def replay(self, size: int, num_tokens: int) -> torch.Tensor:
         """Runs the graph of `size` over the buffers as `StepInputs.prepare(pad_tokens_to=size)` left them for
