@@ -27,6 +27,7 @@ from kernels._common import (
     require,
 )
 
+from kernels.decode_prologue import DecodeAppend, append_launch_args, append_token, load_query
 from kernels.paged_kv import check_paged_kv, paged_kv_strides
 from kernels.split_kv import MAX_KV_SPLITS, choose_num_kv_splits, merge_splits, split_bounds
 
@@ -89,6 +90,20 @@ def _decode_split_kernel(
     stride_pl_seq,
     stride_pl_head,
     group,  # query heads per KV head
+    new_k_ptr,  # [num_seqs, num_kv_heads, head_dim] (APPEND: decode_prologue.py)
+    new_v_ptr,
+    slot_mapping_ptr,  # [num_seqs]
+    positions_ptr,  # [num_seqs] (ROPE)
+    cos_sin_ptr,  # [max_position, head_dim]
+    q_norm_ptr,  # [head_dim] (QK_NORM)
+    k_norm_ptr,
+    norm_eps,
+    stride_nk_seq,
+    stride_nk_head,
+    stride_nv_seq,
+    stride_nv_head,
+    stride_cs,
+    k_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -100,6 +115,11 @@ def _decode_split_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     FP16_DOTS: tl.constexpr,
+    APPEND: tl.constexpr,
+    ROPE: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    QUANT_STORE: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
@@ -115,17 +135,22 @@ def _decode_split_kernel(
     h_mask = offs_h < group
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(
-        q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :],
-        mask=h_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # [BLOCK_H, BLOCK_D]
+    q = load_query(q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head, offs_d,
+                   h_mask[:, None] & d_mask[None, :], seq, positions_ptr, cos_sin_ptr, stride_cs, q_norm_ptr, norm_eps,
+                   HEAD_DIM, ROPE, QK_NORM, q_ptr.dtype.element_ty)  # [BLOCK_H, BLOCK_D]
     if FP16_DOTS:
         q, sm_scale = fp16_operand(q, sm_scale)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_base = k_cache_ptr + kv_head * stride_k_head
     v_base = v_cache_ptr + kv_head * stride_v_head
+    if APPEND:
+        if split == num_active - 1:  # the split ending at the new token: the only one reading its position
+            append_token(seq, kv_head, new_k_ptr, new_v_ptr, slot_mapping_ptr, positions_ptr, cos_sin_ptr, k_norm_ptr,
+                         norm_eps, stride_nk_seq, stride_nk_head, stride_nv_seq, stride_nv_head, stride_cs,
+                         k_cache_ptr, v_cache_ptr, stride_k_block, stride_k_tok, stride_k_head, stride_v_block,
+                         stride_v_tok, stride_v_head, k_scale, v_scale, offs_d, HEAD_DIM, PAGE_SIZE, ROPE, QK_NORM,
+                         QUANT_STORE, EXACT_ROUND, q_ptr.dtype.element_ty)
 
     # NOTE: a finite floor for the running max keeps exp2(m_old - m_new) defined when a tile is
     # fully masked; masked scores are -inf and contribute exactly 0.
@@ -190,6 +215,7 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    append: DecodeAppend | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's single query token over its whole paged context.
 
@@ -220,6 +246,7 @@ def paged_decode_attention(
     group = num_q_heads // num_kv_heads
     fp16_dots = k_cache.dtype == FP8_DTYPE and q.dtype != torch.float32
     block_n, launch_opts = _decode_tiles(q.dtype, fp16_dots, block_n, num_warps, num_stages)
+    append_args, append_opts = append_launch_args(append, q, k_cache)
     part_o, part_lse, part_strides = _split_buffers(out, num_kv_splits)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
         q,
@@ -238,6 +265,8 @@ def paged_decode_attention(
         *paged_kv_strides(q, k_cache, v_cache, block_tables, out),
         *part_strides,
         group,
+        *append_args,
+        float(k_scale),
         HEAD_DIM=head_dim,
         BLOCK_D=next_pow2(head_dim),
         BLOCK_H=max(16, next_pow2(group)),
@@ -249,6 +278,7 @@ def paged_decode_attention(
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=dot_upcast(),
         FP16_DOTS=fp16_dots,
+        **append_opts,
         **launch_opts,
         **pdl_args(q.device),
     )

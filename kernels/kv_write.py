@@ -69,14 +69,21 @@ def _store_row(
     block = slot // PAGE_SIZE
     in_page = slot % PAGE_SIZE
     dst = dst_ptr + block * stride_dst_block + in_page * stride_dst_tok + head * stride_dst_head + dim
+    tl.store(dst, quantize_row(x, scale, QUANT, EXACT_ROUND).to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def quantize_row(x, scale, QUANT: tl.constexpr, EXACT_ROUND: tl.constexpr):
+    """x as the cache stores it, before the cast to its dtype: with QUANT (an e4m3 cache) x / scale saturated
+    to +-448 (rounded to e4m3 here when EXACT_ROUND, the interpreter), else x."""
     if QUANT:
         y = tl.math.div_rn(x.to(tl.float32), scale)  # IEEE division (`/` may be approximate)
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         if EXACT_ROUND:
             y = _round_to_e4m3(y)
-        tl.store(dst, y.to(dst_ptr.dtype.element_ty), mask=mask)
+        return y
     else:
-        tl.store(dst, x.to(dst_ptr.dtype.element_ty), mask=mask)
+        return x
 
 
 @triton.jit

@@ -14,6 +14,8 @@ this file only applies them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -189,6 +191,23 @@ def apply_rotary(
         **opts,
         **pdl_args(q.device),
     )
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """A step's rotary of q and k (neox pairs), optionally after each head's RMSNorm (Qwen3's QK-norm), for
+    whoever applies it: `apply`, or the decode attention kernel itself (`kernels/decode_prologue.py`)."""
+
+    positions: torch.Tensor  # [num_tokens] int64 or int32
+    cos_sin_cache: torch.Tensor  # [max_position, rotary_dim]
+    q_norm_weight: torch.Tensor | None = None  # [head_dim]
+    k_norm_weight: torch.Tensor | None = None  # [head_dim]
+    norm_eps: float = 1e-6
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Rotates q [T, Hq, D] and k [T, Hkv, D] in place (`apply_rotary`)."""
+        apply_rotary(q, k, self.positions, self.cos_sin_cache, is_neox=True, q_norm_weight=self.q_norm_weight,
+                     k_norm_weight=self.k_norm_weight, norm_eps=self.norm_eps)
 
 
 def rotary_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, *, is_neox: bool = True) -> torch.Tensor:

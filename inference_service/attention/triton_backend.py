@@ -1,7 +1,9 @@
 """Paged attention on the Triton kernels of `kernels/`: the GPU backend.
 
-One layer's step is two or three launches::
+One layer's step is one to three launches::
 
+    decode-only step, q and k not yet rotated (`forward_unrotated`)
+                      -> paged_decode_attention(append=...)  # rotary, KV write and attention in one
     write_kv_cache(k, v -> cache at slot_mapping)           # slot -1 (padding) skipped
     decode-only step  -> paged_decode_attention             # one query per sequence, split-KV
     anything else     -> paged_decode_attention             # the leading one-token rows, if any
@@ -17,10 +19,15 @@ first. Neither launch needs a host sync: the decode split count comes from the s
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from inference_service.attention.dense_prefill import dense_prefill_attention, fresh_prefill_spans
 from inference_service.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from kernels.rotary import Rotary
 
 
 class TritonPagedAttention:
@@ -92,6 +99,32 @@ class TritonPagedAttention:
             k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         )
         return out
+
+    def forward_unrotated(
+        self,
+        q: torch.Tensor,  # [T, Hq, D], before the rotary
+        k: torch.Tensor,  # [T, Hkv, D], before the rotary
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        rotary: Rotary,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        """`forward` of q and k not yet rotated (nor QK-normed). A decode-only step rotates, writes the new
+        K/V and attends in the decode kernel's one launch (`kernels/decode_prologue.py`); others rotate first."""
+        if not (metadata.is_decode_only and q.shape[0] == metadata.num_seqs):
+            rotary.apply(q, k)
+            return self.forward(q, k, v, k_cache, v_cache, metadata, scale, sliding_window, soft_cap)
+        append = self._kernels.DecodeAppend(k, v, metadata.slot_mapping, rotary)
+        return self._kernels.paged_decode_attention(
+            q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale,
+            num_kv_splits=self._num_kv_splits(metadata.num_seqs, metadata.max_seq_len, k_cache),
+            k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            append=append,
+        )  # [T, Hq, D]
 
     def _num_kv_splits(self, num_seqs: int, max_seq_len: int, k_cache: torch.Tensor) -> int:
         key = (num_seqs, max_seq_len)

@@ -14,8 +14,9 @@ The residual stream is kept apart from the hidden states, as in vLLM: a layer ta
 Decode batches of up to `kernels.MAX_GEMV_ROWS` rows in bf16/fp16 take a shorter path: every
 projection is `kernels.gemv`, with the RMSNorm computed in the qkv and gate_up projections' prologue,
 the SiLU gate in the down projection's, and the residual adds in the o and down projections'
-epilogues. A layer then launches qkv, rotary, attention, o, gate_up and down (plus the KV write);
-on tensor-parallel shards, plus the o and down projections' all-reduces.
+epilogues, and the rotary (with Qwen3's QK-norm) and the KV write happen inside the decode attention kernel
+(`kernels/decode_prologue.py`). A layer then launches qkv, attention, o, gate_up and down; on
+tensor-parallel shards, plus the o and down projections' all-reduces.
 Projections kept in the packed integer layout (int4 / int8: GPTQ, AWQ, compressed-tensors, GGUF,
 in-situ) run `kernels.quant_matmul` there with the same options, on batches of up to
 `QUANT_GEMV_FASTER_ROWS` rows (past those the tensor-core GEMM beats the quantized GEMV). The path is
@@ -170,10 +171,15 @@ class FusedStack:
             kernels.rms_norm(k, attn.k_norm.weight, attn.k_norm.eps, out=k)
             q = q.view(num_tokens, attn.num_heads, attn.head_dim)
             k = k.view(num_tokens, attn.num_kv_heads, attn.head_dim)
-        kernels.apply_rotary(q, k, positions, self.cos_sin_cache, is_neox=True, **qk_norm)
+        rotary = kernels.Rotary(positions, self.cos_sin_cache, **qk_norm)
         v = qkv[:, k_end:].view(num_tokens, attn.num_kv_heads, attn.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, attn.scale,
-                                   sliding_window=attn.sliding_window, soft_cap=attn.soft_cap)  # [T, Hq, D]
+        if hasattr(self.backend, "forward_unrotated"):  # the Triton backend: rotary folded into decode attention
+            out = self.backend.forward_unrotated(q, k, v, kv_cache[0], kv_cache[1], metadata, attn.scale, rotary,
+                                                 sliding_window=attn.sliding_window, soft_cap=attn.soft_cap)
+        else:
+            rotary.apply(q, k)
+            out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, attn.scale,
+                                       sliding_window=attn.sliding_window, soft_cap=attn.soft_cap)  # [T, Hq, D]
         return out.reshape(num_tokens, attn.q_size)
 
 
