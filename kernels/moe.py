@@ -37,6 +37,8 @@ from kernels._common import (
     is_interpreter,
     mma,
     next_pow2,
+    pdl_args,
+    pdl_enter,
     require,
     require_dtype,
     require_same_device,
@@ -117,8 +119,10 @@ def _moe_gate_up_gemv_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """h[p] = silu(x W_gate[e]^T) * (x W_up[e]^T) for one pair p and one BLOCK_N tile of h's columns."""
+    pdl_enter(USE_PDL)
     pair = tl.program_id(0)
     expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -147,21 +151,26 @@ def _moe_down_combine_kernel(
     out_ptr,  # [T, N]
     pair_weight_ptr,  # [T * k] float32 router weights
     expert_ids_ptr,  # [T * k]
+    residual_ptr,  # [T, N] (HAS_RESIDUAL)
     N,
     K,
     stride_h,
     stride_we,
     stride_wn,
     stride_o,
+    stride_r,
     TOP_K: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """out[t] = sum_j round(w[t, j] * h[t k + j] W_down[e_j]^T): the down GEMVs of one token's k pairs and
+    """out[t] = sum_j round(w[t, j] * h[t k + j] W_down[e_j]^T) (+ residual[t]): the down GEMVs of one token's k pairs and
     their combine in one program (rounded per pair to out's dtype, summed in fp32, as y and torch.sum were).
     The k experts' tiles are loaded together, [BLOCK_J, BLOCK_N, BLOCK_K] a step, so a program keeps as
     many loads in flight as k programs of one pair each did."""
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_j = tl.arange(0, BLOCK_J)
     j_mask = offs_j < TOP_K
@@ -183,7 +192,14 @@ def _moe_down_combine_kernel(
     pair_weights = tl.load(pair_weight_ptr + pairs, mask=j_mask, other=0.0)  # [BJ]
     per_pair = cast(acc * pair_weights[:, None], out_ptr.dtype.element_ty).to(tl.float32)
     total = tl.sum(tl.where(j_mask[:, None], per_pair, 0.0), axis=0)
+    if HAS_RESIDUAL:
+        total += tl.load(residual_ptr + token * stride_r + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * stride_o + offs_n, cast(total, out_ptr.dtype.element_ty), mask=n_mask)
+
+
+# (BLOCK_N, BLOCK_K, num_warps) of the decode GEMVs; down's BLOCK_K is per expert (a step loads k of them)
+DECODE_GATE_UP_TILES = (16, 512, 8)
+DECODE_DOWN_TILES = (16, 64, 8)
 
 
 def decode_max_pairs(num_experts: int, top_k: int) -> int:
@@ -231,11 +247,15 @@ def fused_moe(
     block_k: int | None = None,
     num_warps: int | None = None,
     use_gemv: bool | None = None,
+    down_tiles: tuple[int, int, int] | None = None,
+    residual: torch.Tensor | None = None,  # [T, H]
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j] -> [T, H] in
-    x's dtype. The intermediate activations are rounded to x's dtype (as the per-expert loop in that
+    x's dtype, plus `residual` if given (the decoder's residual add). The intermediate activations are rounded to x's dtype (as the per-expert loop in that
     dtype rounds them); accumulation is fp32. The block sizes default by the number of pairs; `use_gemv`
-    (default: at most `decode_max_pairs` pairs) runs the per-pair GEMVs instead of the grouped GEMMs."""
+    (default: at most `decode_max_pairs` pairs) runs the per-pair GEMVs instead of the grouped GEMMs; there
+    `block_n`, `block_k`, `num_warps` are gate_up's tiles and `down_tiles` (block_n, block_k of one expert,
+    num_warps) the down projection's."""
     require(x.dim() == 2, lambda: f"x: expected [T, H], got {tuple(x.shape)}")
     num_tokens, hidden = x.shape
     require(gate_up_proj.dim() == 3 and gate_up_proj.shape[1] % 2 == 0,
@@ -254,6 +274,8 @@ def fused_moe(
                 lambda name=name: f"{name}: rows must be contiguous")
     require_same_device(x=x, gate_up_proj=gate_up_proj, down_proj=down_proj, topk_ids=topk_ids,
                         topk_weights=topk_weights)
+    require(residual is None or (residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1),
+            lambda: f"residual: expected x's shape {tuple(x.shape)} and dtype, got {tuple(residual.shape)} {residual.dtype}")
     top_k = topk_ids.shape[1]
     out = torch.empty_like(x)
     if num_tokens == 0:
@@ -262,7 +284,8 @@ def fused_moe(
     pair_weights = topk_weights.reshape(-1).to(torch.float32)
     h = torch.empty((num_pairs, intermediate), dtype=x.dtype, device=x.device)
     if use_gemv if use_gemv is not None else num_pairs <= decode_max_pairs(num_experts, top_k):
-        _gemv_pairs(x, gate_up_proj, down_proj, h, out, pair_weights, topk_ids, top_k, block_n, block_k, num_warps)
+        _gemv_pairs(x, gate_up_proj, down_proj, h, out, pair_weights, topk_ids, top_k, (block_n, block_k, num_warps),
+                    down_tiles, residual)
         return out
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     # NOTE: few pairs per expert at decode: a small BLOCK_M wastes less of each block on padding.
@@ -284,26 +307,30 @@ def fused_moe(
         _moe_gemm_kernel[grid](a, w, o, pair_weights, sorted_pairs, block_expert, num_pairs, n, k,
                                a.stride(0), w.stride(0), w.stride(1), o.stride(0),
                                GATED=gated, WEIGHTED=not gated, BLOCK_N=block_n, BLOCK_K=block_k, **common)
-    return torch.sum(y.view(num_tokens, top_k, hidden), dim=1, out=out)
+    torch.sum(y.view(num_tokens, top_k, hidden), dim=1, out=out)
+    return out if residual is None else out.add_(residual)
 
 
-def _gemv_pairs(x, gate_up_proj, down_proj, h, out, pair_weights, topk_ids, top_k, block_n, block_k,
-                num_warps) -> None:
+def _gemv_pairs(x, gate_up_proj, down_proj, h, out, pair_weights, topk_ids, top_k, gate_up_tiles, down_tiles,
+                residual) -> None:
     """h = the gated MLP input of every pair (one program a (pair, tile)), then out = each token's weighted
-    down projections summed (one program a (token, tile), its k pairs in turn)."""
+    down projections summed (one program a (token, tile), its k pairs together)."""
     ids = topk_ids.reshape(-1)
-    # NOTE: chosen by bench/moe_kernel_tune.py on an H100 at Qwen3-30B-A3B's shapes (2026-11-26, these two
-    # kernels): at 1 and 4 tokens 35.9 and 93.5 us against 42.0 and 104.2 with 8 columns and a 256 K tile.
-    block_n, block_k = block_n or 16, block_k or (32 if is_interpreter() else 512)
-    extra = {} if is_interpreter() else {"num_warps": num_warps or 8}
     intermediate, hidden = h.shape[1], out.shape[1]
-    _moe_gate_up_gemv_kernel[(ids.shape[0], triton.cdiv(intermediate, block_n))](
+    # NOTE: chosen by bench/moe_kernel_tune.py on an H100 at Qwen3-30B-A3B's shapes, each kernel on its own
+    gu_default, down_default = ((16, 32, 4), (16, 16, 4)) if is_interpreter() else (DECODE_GATE_UP_TILES,
+                                                                                    DECODE_DOWN_TILES)
+    gu_n, gu_k, gu_warps = (given or default for given, default in zip(gate_up_tiles, gu_default, strict=True))
+    down_n, down_k, down_warps = down_tiles or down_default
+    gu_extra, down_extra = ({}, {}) if is_interpreter() else ({"num_warps": gu_warps}, {"num_warps": down_warps})
+    _moe_gate_up_gemv_kernel[(ids.shape[0], triton.cdiv(intermediate, gu_n))](
         x, gate_up_proj, h, ids, intermediate, hidden, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
-        h.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, **extra)
-    _moe_down_combine_kernel[(out.shape[0], triton.cdiv(hidden, block_n))](
-        h, down_proj, out, pair_weights, ids, hidden, intermediate, h.stride(0), down_proj.stride(0),
-        down_proj.stride(1), out.stride(0), TOP_K=top_k, BLOCK_J=next_pow2(top_k), BLOCK_N=block_n,
-        BLOCK_K=max(16, block_k // next_pow2(top_k)), **extra)
+        h.stride(0), TOP_K=top_k, BLOCK_N=gu_n, BLOCK_K=gu_k, **gu_extra, **pdl_args(x.device))
+    _moe_down_combine_kernel[(out.shape[0], triton.cdiv(hidden, down_n))](
+        h, down_proj, out, pair_weights, ids, residual if residual is not None else out, hidden, intermediate,
+        h.stride(0), down_proj.stride(0), down_proj.stride(1), out.stride(0),
+        residual.stride(0) if residual is not None else 0, TOP_K=top_k, BLOCK_J=next_pow2(top_k), BLOCK_N=down_n,
+        BLOCK_K=down_k, HAS_RESIDUAL=residual is not None, **down_extra, **pdl_args(x.device))
 
 
 def fused_moe_ref(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,

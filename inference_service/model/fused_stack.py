@@ -21,8 +21,9 @@ Projections kept in the packed integer layout (int4 / int8: GPTQ, AWQ, compresse
 in-situ) run `kernels.quant_matmul` there with the same options, on batches of up to
 `QUANT_GEMV_FASTER_ROWS` rows (past those the tensor-core GEMM beats the quantized GEMV). The path is
 taken only when every projection is one of those two (fp8 weights, and parts kept apart, run the
-general path through their own `forward`) and no MLP is a mixture of experts (those run
-`kernels.fused_moe`: tokens sorted by expert, grouped GEMM).
+general path through their own `forward`). A mixture-of-experts layer folds its attention the same way;
+its MLP is one RMSNorm launch, the router (`kernels.moe_route`) and `kernels.fused_moe`, which adds the
+residual stream in its down projection (not on tensor-parallel shards: there MoE layers run the general path).
 
 Every step is CUDA-graph capturable: no host syncs and no branches on tensor values. This module
 imports Triton; `DecoderModel` imports it only when it picks this stack.
@@ -83,10 +84,15 @@ class FusedStack:
 
     def plan_folding(self) -> None:
         """Sets `can_fold_gemv` and `max_fold_rows` from the projections as loaded."""
-        projections = [_local_linear(module) for layer in self.layers
-                       for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                      getattr(layer.mlp, "gate_up_proj", None), getattr(layer.mlp, "down_proj", None))]
-        self.can_fold_gemv = (not any(isinstance(layer.mlp, SparseMoE) for layer in self.layers)
+        modules = [module for layer in self.layers
+                   for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                  getattr(layer.mlp, "gate_up_proj", None), getattr(layer.mlp, "down_proj", None))
+                   if module is not None]
+        projections = [_local_linear(module) for module in modules]
+        # NOTE: a mixture-of-experts layer folds its attention's projections only; its experts run fused_moe,
+        # which has no tensor-parallel split
+        is_sharded = any(getattr(module, "group", None) is not None for module in modules)
+        self.can_fold_gemv = (not (is_sharded and any(isinstance(layer.mlp, SparseMoE) for layer in self.layers))
                               and all(isinstance(p, DenseLinear) or _int_packed(p) is not None for p in projections))
         # The quantized GEMV loses to the tensor-core GEMM past QUANT_GEMV_FASTER_ROWS (bench/gpu_quant.py).
         self.max_fold_rows = (QUANT_GEMV_FASTER_ROWS if any(_int_packed(p) is not None for p in projections)
@@ -132,7 +138,8 @@ class FusedStack:
     def _layer_gemv(self, layer: DecoderLayer, hidden: torch.Tensor | None, residual: torch.Tensor | None,
                     positions: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         """Four skinny matmuls carry the layer's element-wise work along (no norm or SiLU launches):
-        qkv = norm(stream) Wqkv (+ b), stream += attn Wo, stream += silu_mul(norm(stream) Wgu) Wd.
+        qkv = norm(stream) Wqkv (+ b), stream += attn Wo, stream += silu_mul(norm(stream) Wgu) Wd; a
+        mixture-of-experts layer: stream += fused_moe(norm(stream)), the add in its down projection.
         Returns the stream with the layer's output added."""
         if hidden is None:
             stream = residual  # [T, H], holding every earlier layer's output
@@ -143,6 +150,11 @@ class FusedStack:
                              eps=layer.input_layernorm.eps)  # [T, q + 2 kv]
         out = self._attend(attn, qkv, positions, kv_cache, metadata)  # [T, q]
         stream = _gemv_into_stream(attn.o_proj, out, stream)
+        if isinstance(mlp, SparseMoE):
+            normed = kernels.rms_norm(stream, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+            weights, ids = kernels.moe_route(normed, mlp.gate.weight, mlp.top_k, mlp.renormalize)
+            return kernels.fused_moe(normed, mlp.experts.gate_up_proj, mlp.experts.down_proj, weights, ids,
+                                     residual=stream)  # [T, H]
         gate_up = _skinny_matmul(_local_linear(mlp.gate_up_proj), stream,
                                  norm_weight=layer.post_attention_layernorm.weight,
                                  eps=layer.post_attention_layernorm.eps)  # [T, 2 I]

@@ -61,6 +61,18 @@ def test_fused_moe_gemv_and_gemm_paths_match_the_loop(shape, use_gemv):
         assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) <= TOL[dtype], dtype
 
 
+@pytest.mark.parametrize("use_gemv", [True, False], ids=["gemv", "gemm"])
+def test_fused_moe_adds_the_residual(use_gemv):
+    """The decoder's residual add folded into the down projection: out = MoE(x) + residual."""
+    x, w13, w2, weights, ids = _case((3, 48, 40, 6, 3), F32)
+    residual = torch.randn(x.shape, device=DEVICE)
+    out = fused_moe(x, w13, w2, weights, ids, use_gemv=use_gemv, residual=residual)
+    expected = fused_moe_ref(x, w13, w2, weights, ids) + residual.double()
+    assert rel_err(out, expected) <= TOL[F32]
+    with pytest.raises(ValueError, match="residual"):
+        fused_moe(x, w13, w2, weights, ids, residual=residual[:, :8])
+
+
 def test_fused_moe_picks_the_gemvs_for_decode_sized_batches():
     assert decode_max_pairs(128, 8) == 64 and decode_max_pairs(8, 2) == 4
     x, w13, w2, weights, ids = _case((2, 40, 24, 8, 2), F32)  # 4 pairs: GEMVs by default
