@@ -40,7 +40,7 @@ def step_case(lens, num_kv_heads, group, head_dim, dtype, *, cache_dtype=None, s
     qkv = torch.randn(num_seqs, (num_q_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).to(dtype)
     q_end, k_end = num_q_heads * head_dim, (num_q_heads + num_kv_heads) * head_dim
     positions = (seq_lens.long() - 1).clamp(min=0)
-    table = build_cos_sin_cache(head_dim, 4096, 10000.0, device=DEVICE)
+    table = build_cos_sin_cache(head_dim, 8192, 10000.0, device=DEVICE)  # past the longest context
     norms = {}
     if qk_norm:
         norms = {"q_norm_weight": (1 + 0.3 * torch.randn(head_dim, device=DEVICE)).to(dtype),
@@ -71,14 +71,15 @@ def step_case(lens, num_kv_heads, group, head_dim, dtype, *, cache_dtype=None, s
 def assert_same_cache(fused: tuple, plain: tuple, max_differing: int = 0) -> None:
     """The same slots written (the rest NaN), holding equal values: bit for bit in the interpreter; on the GPU the
     compiler may contract the rotary's products into FMAs differently in the two kernels, so a value may differ
-    by its last bit (and an fp8 value by one step)."""
+    by its last bit (an fp8 value by one step)."""
     for name, a, b in zip("KV", fused, plain, strict=True):
         a, b = a.float(), b.float()
         assert torch.equal(a.isnan(), b.isnan()), f"{name}: other slots written"
         a, b = a.nan_to_num(), b.nan_to_num()
         differing = int((a != b).sum())
         if ON_GPU:
-            assert torch.allclose(a, b, rtol=0.07, atol=1e-3), f"{name}: {differing} values differ beyond a rounding"
+            step = 0.13 if fused[0].dtype == FP8_DTYPE else 0.01  # e4m3: 3 mantissa bits
+            assert torch.allclose(a, b, rtol=step, atol=1e-3), f"{name}: {differing} values differ beyond a rounding"
         else:
             assert differing <= max_differing, f"{name}: {differing} values differ"
 
@@ -91,7 +92,8 @@ LENS = [1, 2, 16, 17, 40, 33] if not ON_GPU else [1, 2, 16, 17, 40, 33, 700, 409
 def test_append_with_rotary_equals_rotary_write_then_attend(splits, dtype):
     fused, fused_cache, plain, plain_cache = step_case(LENS, 2, 3, 64, dtype, splits=splits)
     assert_same_cache(fused_cache, plain_cache)
-    assert rel_err(fused, plain.double()) <= TOL[dtype] / 10
+    # NOTE: on the GPU a rotated q element may round the other way (see assert_same_cache)
+    assert rel_err(fused, plain.double()) <= (TOL[dtype] if ON_GPU else TOL[dtype] / 10)
 
 
 @pytest.mark.parametrize("splits", [1, 8])
