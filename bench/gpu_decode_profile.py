@@ -35,7 +35,10 @@ import gpu_common as common  # noqa: E402
 SHAPES = {"llama-3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
                          ("lm_head", 128256, 4096)],
           "llama-3-8b-tp2": [("qkv", 3072, 4096), ("o", 4096, 2048), ("gate_up", 14336, 4096), ("down", 4096, 7168),
-                             ("lm_head", 64128, 4096)]}
+                             ("lm_head", 64128, 4096)],
+          "phi-3-mini": [("qkv", 9216, 3072), ("o", 3072, 3072), ("gate_up", 16384, 3072), ("down", 3072, 8192),
+                         ("lm_head", 32064, 3072)],
+          "qwen3-30b-a3b": [("qkv", 5120, 2048), ("o", 2048, 4096), ("router", 128, 2048), ("lm_head", 151936, 2048)]}
 CONFIGS = [(bn, bk, warps, stages) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024) for warps in (4, 8)
            for stages in (2, 3)]
 
@@ -256,7 +259,8 @@ def main() -> None:
     parser.add_argument("--configs", default="llama-3-8b",
                         help="bench/configs models the profile section runs, each optionally :int4/:int8/:fp8 "
                              "(quantized in situ), e.g. llama-3-8b,llama-3-8b:int4,qwen3-30b-a3b")
-    parser.add_argument("--gemv-shapes", default="llama-3-8b", help="llama-3-8b or llama-3-8b-tp2 (one rank of two)")
+    parser.add_argument("--gemv-shapes", default="llama-3-8b",
+                        help=f"comma-separated, of {sorted(SHAPES)} (llama-3-8b-tp2: one rank of two)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     configs = ATTENTION_CONFIGS
@@ -267,7 +271,7 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("COMMIT", "unknown"),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     shapes = (args.attention_shapes or f"{args.batch}x{args.context}").split(",")
-    sections = {"gemv": lambda r: gemv_section(r, args.gemv_shapes),
+    sections = {"gemv": lambda r: [gemv_section(r, shapes) for shapes in args.gemv_shapes.split(",")],
                 "attention": lambda r: [attention_section(r, *map(int, shape.split("x")), configs, layouts)
                                         for shape in shapes],
                 "profile": lambda r: [profile_section(r, args.out, batch=args.batch, context=args.context,
