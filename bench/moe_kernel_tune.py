@@ -41,7 +41,8 @@ def decode_sweep(w13: torch.Tensor, w2: torch.Tensor, bw: float) -> None:
         default = _graph_us(run)
         sweeps = {"gate_up": [dict(block_n=bn, block_k=bk, num_warps=nw) for bn, bk, nw in
                               itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8))],
-                  "down": [dict(down_tiles=t) for t in itertools.product((2, 4, 8, 16, 32), (32, 64, 128, 256), (4, 8))]}
+                  "down": [dict(down_tiles=t)
+                           for t in itertools.product((2, 4, 8, 16, 32), (32, 64, 128, 256), (4, 8))]}
         for name, configs in sweeps.items():
             results = []
             for config in configs:

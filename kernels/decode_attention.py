@@ -227,6 +227,10 @@ def paged_decode_attention(
     `num_kv_splits` (a power of two <= 64) defaults to `choose_num_kv_splits(...)`, which needs
     `max_seq_len`; without either the launcher reads `seq_lens.max()` (a device sync: pass one of
     them under CUDA-graph capture). `block_n`, `num_warps`, `num_stages` override the tile config.
+
+    `append` (`kernels/decode_prologue.py`): the step's new K/V, one token a sequence, not yet in the cache; the
+    kernel writes them at `append.slot_mapping` before attending, and with `append.rotary` first rotates q and
+    the new k (and QK-norms them), as `apply_rotary` and `write_kv_cache` would have.
     """
     shape = check_paged_kv(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_window=sliding_window,
                            soft_cap=soft_cap, num_seqs=q.shape[0])

@@ -63,7 +63,8 @@ def append_launch_args(append: DecodeAppend | None, q: torch.Tensor, k_cache: to
         require(has_norm == (rotary.k_norm_weight is not None), "QK-norm needs both q_norm_weight and k_norm_weight")
         if has_norm:
             for name, w in (("q_norm_weight", rotary.q_norm_weight), ("k_norm_weight", rotary.k_norm_weight)):
-                require(w.shape == (head_dim,) and w.is_contiguous(), lambda name=name, w=w: f"{name}: shape {tuple(w.shape)}")
+                require(w.shape == (head_dim,) and w.is_contiguous(),
+                        lambda name=name, w=w: f"{name}: shape {tuple(w.shape)}")
             require(rotary.norm_eps > 0, "norm_eps must be positive")
     args = (
         append.k,

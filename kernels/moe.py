@@ -166,7 +166,8 @@ def _moe_down_combine_kernel(
     HAS_RESIDUAL: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """out[t] = sum_j round(w[t, j] * h[t k + j] W_down[e_j]^T) (+ residual[t]): the down GEMVs of one token's k pairs and
+    """out[t] = sum_j round(w[t, j] * h[t k + j] W_down[e_j]^T) (+ residual[t]): the down GEMVs of one token's k pairs
+    and
     their combine in one program (rounded per pair to out's dtype, summed in fp32, as y and torch.sum were).
     The k experts' tiles are loaded together, [BLOCK_J, BLOCK_N, BLOCK_K] a step, so a program keeps as
     many loads in flight as k programs of one pair each did."""
@@ -253,8 +254,8 @@ def fused_moe(
     residual: torch.Tensor | None = None,  # [T, H]
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j] -> [T, H] in
-    x's dtype, plus `residual` if given (the decoder's residual add). The intermediate activations are rounded to x's dtype (as the per-expert loop in that
-    dtype rounds them); accumulation is fp32. The block sizes default by the number of pairs; `use_gemv`
+    x's dtype, plus `residual` if given (the decoder's residual add). The intermediate activations are rounded
+    to x's dtype (as the per-expert loop in that dtype rounds them); accumulation is fp32. The block sizes default by the number of pairs; `use_gemv`
     (default: at most `decode_max_pairs` pairs) runs the per-pair GEMVs instead of the grouped GEMMs; there
     `block_n`, `block_k`, `num_warps` are gate_up's tiles and `down_tiles` (block_n, block_k of one expert,
     num_warps) the down projection's."""
@@ -277,7 +278,8 @@ def fused_moe(
     require_same_device(x=x, gate_up_proj=gate_up_proj, down_proj=down_proj, topk_ids=topk_ids,
                         topk_weights=topk_weights)
     require(residual is None or (residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1),
-            lambda: f"residual: expected x's shape {tuple(x.shape)} and dtype, got {tuple(residual.shape)} {residual.dtype}")
+            lambda: f"residual: expected x's shape {tuple(x.shape)} and dtype, got {tuple(residual.shape)} "
+                    f"{residual.dtype}")
     top_k = topk_ids.shape[1]
     out = torch.empty_like(x)
     if num_tokens == 0:

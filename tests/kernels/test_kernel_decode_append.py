@@ -7,10 +7,10 @@ import pytest
 import torch
 from kernel_testlib import DEVICE, ON_GPU, TOL, PagedKV, poisoned, rel_err, slots_for
 
+from inference_service.model.rope import build_cos_sin_cache
 from kernels import FP8_DTYPE, apply_rotary, paged_decode_attention, write_kv_cache
 from kernels.decode_prologue import DecodeAppend
 from kernels.rotary import Rotary
-from inference_service.model.rope import build_cos_sin_cache
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -55,16 +55,16 @@ def step_case(lens, num_kv_heads, group, head_dim, dtype, *, cache_dtype=None, s
     fused_cache = (kv.k_cache.clone(), kv.v_cache.clone())
     q, k, v = views(qkv.clone())
     spec = Rotary(positions, table, **norms) if rotary else None
-    fused = paged_decode_attention(q, *fused_cache, block_tables, seq_lens, head_dim**-0.5, out=poisoned(q.shape, dtype),
-                                   append=DecodeAppend(k, v, slot_mapping, spec), **common)
+    fused = paged_decode_attention(q, *fused_cache, block_tables, seq_lens, head_dim**-0.5,
+                                   out=poisoned(q.shape, dtype), append=DecodeAppend(k, v, slot_mapping, spec), **common)
 
     plain_cache = (kv.k_cache.clone(), kv.v_cache.clone())
     q, k, v = views(qkv.clone())
     if rotary:
         apply_rotary(q, k, positions, table, **norms)
     write_kv_cache(k, v, *plain_cache, slot_mapping, **scales)
-    plain = paged_decode_attention(q, *plain_cache, block_tables, seq_lens, head_dim**-0.5, out=poisoned(q.shape, dtype),
-                                   **common)
+    plain = paged_decode_attention(q, *plain_cache, block_tables, seq_lens, head_dim**-0.5,
+                                   out=poisoned(q.shape, dtype), **common)
     return fused, fused_cache, plain, plain_cache
 
 
@@ -87,7 +87,7 @@ def assert_same_cache(fused: tuple, plain: tuple, max_differing: int = 0) -> Non
 LENS = [1, 2, 16, 17, 40, 33] if not ON_GPU else [1, 2, 16, 17, 40, 33, 700, 4097]
 
 
-@pytest.mark.parametrize("splits", [1, 4, 64])
+@pytest.mark.parametrize("splits", [1, 4, 64] if ON_GPU else [1, 4])  # 4: trailing splits empty at these lengths
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_append_with_rotary_equals_rotary_write_then_attend(splits, dtype):
     fused, fused_cache, plain, plain_cache = step_case(LENS, 2, 3, 64, dtype, splits=splits)
