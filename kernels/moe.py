@@ -44,7 +44,6 @@ from kernels._common import (
     require_same_device,
     require_shape,
 )
-from kernels.norm import rms_norm
 
 
 @triton.jit
@@ -111,8 +110,6 @@ def _moe_gate_up_gemv_kernel(
     w_ptr,  # [E, 2 N, K]: gate rows then up rows
     out_ptr,  # [T * k, N]
     expert_ids_ptr,  # [T * k] the pairs' experts (topk_ids flattened)
-    norm_ptr,  # [K] (NORM)
-    eps,
     N,
     K,
     stride_x,
@@ -122,11 +119,9 @@ def _moe_gate_up_gemv_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """h[p] = silu(x W_gate[e]^T) * (x W_up[e]^T) for one pair p and one BLOCK_N tile of h's columns; with NORM
-    x is rms_norm(x) * norm_weight (the decoder's pre-MLP norm, computed along the K loop and never rounded)."""
+    """h[p] = silu(x W_gate[e]^T) * (x W_up[e]^T) for one pair p and one BLOCK_N tile of h's columns."""
     pdl_enter(USE_PDL)
     pair = tl.program_id(0)
     expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
@@ -137,21 +132,14 @@ def _moe_gate_up_gemv_kernel(
     w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
         a = tl.load(x_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # [1, BK]
-        if NORM:
-            squares += tl.sum(a * a, axis=0)
-            a = a * tl.load(norm_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + (k0 + offs_k)[None, :], mask=w_mask, other=0.0)  # [BN, BK]
         acc += tl.sum(w.to(tl.float32) * a, axis=1)
         w_up = tl.load(w_rows + N * stride_wn + (k0 + offs_k)[None, :], mask=w_mask, other=0.0)
         acc_up += tl.sum(w_up.to(tl.float32) * a, axis=1)
-    if NORM:
-        inv_rms = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
-        acc, acc_up = acc * inv_rms, acc_up * inv_rms
     acc = acc * tl.sigmoid(acc) * acc_up
     tl.store(out_ptr + pair.to(tl.int64) * stride_o + offs_n, cast(acc, out_ptr.dtype.element_ty), mask=n_mask)
 
@@ -264,12 +252,9 @@ def fused_moe(
     use_gemv: bool | None = None,
     down_tiles: tuple[int, int, int] | None = None,
     residual: torch.Tensor | None = None,  # [T, H]
-    norm_weight: torch.Tensor | None = None,  # [H]
-    eps: float = 1e-6,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j] -> [T, H] in
-    x's dtype, plus `residual` if given (the decoder's residual add). With `norm_weight` the experts read
-    rms_norm(x, eps) * norm_weight (the decoder's pre-MLP norm; in the decode GEMVs' prologue, never rounded). The intermediate activations are rounded
+    x's dtype, plus `residual` if given (the decoder's residual add). The intermediate activations are rounded
     to x's dtype (as the per-expert loop in that dtype rounds them); accumulation is fp32. The block sizes default by the number of pairs; `use_gemv`
     (default: at most `decode_max_pairs` pairs) runs the per-pair GEMVs instead of the grouped GEMMs; there
     `block_n`, `block_k`, `num_warps` are gate_up's tiles and `down_tiles` (block_n, block_k of one expert,
@@ -295,8 +280,6 @@ def fused_moe(
     require(residual is None or (residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1),
             lambda: f"residual: expected x's shape {tuple(x.shape)} and dtype, got {tuple(residual.shape)} "
                     f"{residual.dtype}")
-    require(norm_weight is None or (norm_weight.shape == (hidden,) and norm_weight.is_contiguous()),
-            lambda: f"norm_weight: expected [{hidden}], got {tuple(norm_weight.shape)}")
     top_k = topk_ids.shape[1]
     out = torch.empty_like(x)
     if num_tokens == 0:
@@ -306,10 +289,8 @@ def fused_moe(
     h = torch.empty((num_pairs, intermediate), dtype=x.dtype, device=x.device)
     if use_gemv if use_gemv is not None else num_pairs <= decode_max_pairs(num_experts, top_k):
         _gemv_pairs(x, gate_up_proj, down_proj, h, out, pair_weights, topk_ids, top_k, (block_n, block_k, num_warps),
-                    down_tiles, residual, (norm_weight, eps))
+                    down_tiles, residual)
         return out
-    if norm_weight is not None:
-        x = rms_norm(x, norm_weight, eps)
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     # NOTE: few pairs per expert at decode: a small BLOCK_M wastes less of each block on padding.
     block_m = block_m or (16 if num_pairs <= 4 * num_experts else 32)
@@ -335,7 +316,7 @@ def fused_moe(
 
 
 def _gemv_pairs(x, gate_up_proj, down_proj, h, out, pair_weights, topk_ids, top_k, gate_up_tiles, down_tiles,
-                residual, norm) -> None:
+                residual) -> None:
     """h = the gated MLP input of every pair (one program a (pair, tile)), then out = each token's weighted
     down projections summed (one program a (token, tile), its k pairs together)."""
     ids = topk_ids.reshape(-1)
@@ -347,9 +328,8 @@ def _gemv_pairs(x, gate_up_proj, down_proj, h, out, pair_weights, topk_ids, top_
     down_n, down_k, down_warps = down_tiles or down_default
     gu_extra, down_extra = ({}, {}) if is_interpreter() else ({"num_warps": gu_warps}, {"num_warps": down_warps})
     _moe_gate_up_gemv_kernel[(ids.shape[0], triton.cdiv(intermediate, gu_n))](
-        x, gate_up_proj, h, ids, norm[0] if norm[0] is not None else x, float(norm[1]), intermediate, hidden,
-        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), h.stride(0), TOP_K=top_k, BLOCK_N=gu_n,
-        BLOCK_K=gu_k, NORM=norm[0] is not None, **gu_extra, **pdl_args(x.device))
+        x, gate_up_proj, h, ids, intermediate, hidden, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
+        h.stride(0), TOP_K=top_k, BLOCK_N=gu_n, BLOCK_K=gu_k, **gu_extra, **pdl_args(x.device))
     _moe_down_combine_kernel[(out.shape[0], triton.cdiv(hidden, down_n))](
         h, down_proj, out, pair_weights, ids, residual if residual is not None else out, hidden, intermediate,
         h.stride(0), down_proj.stride(0), down_proj.stride(1), out.stride(0),

@@ -29,7 +29,6 @@ from kernels._common import (
     require_same_device,
 )
 from kernels.gemv import MAX_GEMV_ROWS, gemv
-from kernels.norm import rms_norm
 
 # Router rows (experts) one program holds; Qwen3-MoE has 128, Mixtral 8, DeepSeek-V3 256.
 MAX_ROUTE_EXPERTS = 256
@@ -72,11 +71,10 @@ def _moe_top_k_kernel(
     tl.store(ids_ptr + token * TOP_K + offs_k, top_ids, mask=k_mask)
 
 
-def moe_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool,
-              norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
+              renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], router_weight [E, H] -> (weights [T, k] float32 holding values of x's dtype, expert ids
-    [T, k] int64), as `model/moe.route` computes them (see the module doc). With `norm_weight` [H] the router
-    reads rms_norm(x, eps) * norm_weight (in the GEMV's prologue at decode sizes)."""
+    [T, k] int64), as `model/moe.route` computes them (see the module doc)."""
     require(x.dim() == 2 and router_weight.dim() == 2 and router_weight.shape[1] == x.shape[1],
             lambda: f"x {tuple(x.shape)} and router_weight {tuple(router_weight.shape)}: expected [T, H] and [E, H]")
     num_tokens = x.shape[0]
@@ -93,11 +91,8 @@ def moe_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormal
         # NOTE: one program a token reading all E router rows ran at a few GB/s (77 us a layer on an H200);
         # the logits come from a GEMV over the rows instead: ours at decode sizes (launched with PDL like
         # the kernels around it; cuBLAS's took 5 us), the library matmul past them.
-        if num_tokens <= MAX_GEMV_ROWS:
-            logits = gemv(x, router_weight, norm_weight=norm_weight, eps=eps)  # [T, E] in x's dtype
-        else:
-            normed = x if norm_weight is None else rms_norm(x, norm_weight, eps)
-            logits = torch.nn.functional.linear(normed, router_weight)
+        logits = (gemv(x, router_weight) if num_tokens <= MAX_GEMV_ROWS
+                  else torch.nn.functional.linear(x, router_weight))  # [T, E] in x's dtype
         _moe_top_k_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
                                          RENORMALIZE=renormalize, BLOCK_K=next_pow2(top_k),
                                          BLOCK_E=next_pow2(num_experts), **pdl_args(x.device))

@@ -22,9 +22,8 @@ in-situ) run `kernels.quant_matmul` there with the same options, on batches of u
 `QUANT_GEMV_FASTER_ROWS` rows (past those the tensor-core GEMM beats the quantized GEMV). The path is
 taken only when every projection is one of those two (fp8 weights, and parts kept apart, run the
 general path through their own `forward`). A mixture-of-experts layer folds its attention the same way;
-its MLP is the router (`kernels.moe_route`) and `kernels.fused_moe`, the router's GEMV and the experts'
-gate_up GEMVs computing the RMSNorm in their prologue and the down projection adding the residual stream
-(not on tensor-parallel shards: there MoE layers run the general path).
+its MLP is one RMSNorm launch, the router (`kernels.moe_route`) and `kernels.fused_moe`, which adds the
+residual stream in its down projection (not on tensor-parallel shards: there MoE layers run the general path).
 
 Every step is CUDA-graph capturable: no host syncs and no branches on tensor values. This module
 imports Triton; `DecoderModel` imports it only when it picks this stack.
@@ -140,7 +139,7 @@ class FusedStack:
                     positions: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         """Four skinny matmuls carry the layer's element-wise work along (no norm or SiLU launches):
         qkv = norm(stream) Wqkv (+ b), stream += attn Wo, stream += silu_mul(norm(stream) Wgu) Wd; a
-        mixture-of-experts layer: stream += fused_moe(norm(stream)), the norm in its gate_up GEMVs' prologue.
+        mixture-of-experts layer: stream += fused_moe(norm(stream)), the add in its down projection.
         Returns the stream with the layer's output added."""
         if hidden is None:
             stream = residual  # [T, H], holding every earlier layer's output
@@ -151,11 +150,11 @@ class FusedStack:
                              eps=layer.input_layernorm.eps)  # [T, q + 2 kv]
         out = self._attend(attn, qkv, positions, kv_cache, metadata)  # [T, q]
         stream = _gemv_into_stream(attn.o_proj, out, stream)
-        if isinstance(mlp, SparseMoE):  # the router and the experts' gate_up GEMVs norm the stream in their prologue
-            norm = {"norm_weight": layer.post_attention_layernorm.weight, "eps": layer.post_attention_layernorm.eps}
-            weights, ids = kernels.moe_route(stream, mlp.gate.weight, mlp.top_k, mlp.renormalize, **norm)
-            return kernels.fused_moe(stream, mlp.experts.gate_up_proj, mlp.experts.down_proj, weights, ids,
-                                     residual=stream, **norm)  # [T, H]
+        if isinstance(mlp, SparseMoE):
+            normed = kernels.rms_norm(stream, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+            weights, ids = kernels.moe_route(normed, mlp.gate.weight, mlp.top_k, mlp.renormalize)
+            return kernels.fused_moe(normed, mlp.experts.gate_up_proj, mlp.experts.down_proj, weights, ids,
+                                     residual=stream)  # [T, H]
         gate_up = _skinny_matmul(_local_linear(mlp.gate_up_proj), stream,
                                  norm_weight=layer.post_attention_layernorm.weight,
                                  eps=layer.post_attention_layernorm.eps)  # [T, 2 I]

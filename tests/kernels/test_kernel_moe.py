@@ -11,7 +11,7 @@ import torch
 from kernel_testlib import DEVICE, DTYPE_IDS, ON_GPU, TOL, rel_err
 
 from inference_service.model.moe import experts_forward
-from kernels import align_pairs_by_expert, fused_moe, fused_moe_ref, rms_norm_ref
+from kernels import align_pairs_by_expert, fused_moe, fused_moe_ref
 from kernels.moe import decode_max_pairs
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -71,18 +71,6 @@ def test_fused_moe_adds_the_residual(use_gemv):
     assert rel_err(out, expected) <= TOL[F32]
     with pytest.raises(ValueError, match="residual"):
         fused_moe(x, w13, w2, weights, ids, residual=residual[:, :8])
-
-
-@pytest.mark.parametrize("use_gemv", [True, False], ids=["gemv", "gemm"])
-def test_fused_moe_norms_its_input(use_gemv):
-    """The decoder's pre-MLP RMSNorm folded in: MoE(rms_norm(x) * w), in the GEMVs' prologue (never rounded)."""
-    x, w13, w2, weights, ids = _case((3, 48, 40, 6, 3), F32)
-    norm_weight = 1 + 0.3 * torch.randn(48, device=DEVICE)
-    out = fused_moe(x, w13, w2, weights, ids, use_gemv=use_gemv, norm_weight=norm_weight, eps=1e-5)
-    normed = rms_norm_ref(x, norm_weight, 1e-5)[0]
-    assert rel_err(out, fused_moe_ref(normed, w13, w2, weights, ids)) <= TOL[F32]
-    with pytest.raises(ValueError, match="norm_weight"):
-        fused_moe(x, w13, w2, weights, ids, norm_weight=norm_weight[:8])
 
 
 def test_fused_moe_picks_the_gemvs_for_decode_sized_batches():
