@@ -166,9 +166,9 @@ def _moe_down_combine_kernel(
     HAS_RESIDUAL: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """out[t] = sum_j round(w[t, j] * h[t k + j] W_down[e_j]^T) (+ residual[t]): the down GEMVs of one token's k pairs
-    and
-    their combine in one program (rounded per pair to out's dtype, summed in fp32, as y and torch.sum were).
+    """out[t] = sum_j round(w[t, j] * h[t k + j] W_down[e_j]^T) (+ residual[t]): the down GEMVs of one token's k
+    pairs and their combine in one program (rounded per pair to out's dtype, summed in fp32, as y and torch.sum
+    were).
     The k experts' tiles are loaded together, [BLOCK_J, BLOCK_N, BLOCK_K] a step, so a program keeps as
     many loads in flight as k programs of one pair each did."""
     pdl_enter(USE_PDL)
@@ -321,7 +321,6 @@ def _gemv_pairs(x, gate_up_proj, down_proj, h, out, pair_weights, topk_ids, top_
     down projections summed (one program a (token, tile), its k pairs together)."""
     ids = topk_ids.reshape(-1)
     intermediate, hidden = h.shape[1], out.shape[1]
-    # NOTE: chosen by bench/moe_kernel_tune.py on an H100 at Qwen3-30B-A3B's shapes, each kernel on its own
     gu_default, down_default = ((16, 32, 4), (16, 16, 4)) if is_interpreter() else (DECODE_GATE_UP_TILES,
                                                                                     DECODE_DOWN_TILES)
     gu_n, gu_k, gu_warps = (given or default for given, default in zip(gate_up_tiles, gu_default, strict=True))
