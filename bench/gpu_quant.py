@@ -48,6 +48,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="also sweep the GEMV tiles")
     p.add_argument("--sweep-formats", default="int4_gptq_g128,int4_gptq_g128+fused,q4_k,q8_0",
                    help="formats the sweep runs (int and fp8 layouts); FMT+fused: with the fused decoder's options")
+    p.add_argument("--sweep-block-k", default="128,256,512,1024", help="K tiles the sweep tries")
+    p.add_argument("--served-methods", default="bf16,int4,int8,fp8", help="weights the served section decodes with")
     p.add_argument("--smoke", action="store_true", help="CPU dry run: Triton interpreter, a tiny model")
     return p.parse_args()
 
@@ -251,7 +253,7 @@ def section_sweep(shapes: dict, results: dict) -> None:
     """Batch-1 GEMV tiles per projection shape, GB/s (weights rotated over > L2 so each call reads memory).
     A format named FMT+fused sweeps FMT with the options the fused decoder gives each projection."""
     rows = []
-    tiles = [(bn, bk, nw) for bn in (4, 8, 16, 32) for bk in (128, 256, 512, 1024) for nw in (4, 8)]
+    tiles = [(bn, int(bk), nw) for bn in (4, 8, 16, 32) for bk in ARGS.sweep_block_k.split(",") for nw in (4, 8)]
     formats = ARGS.sweep_formats.split(",")
     if ARGS.smoke:
         tiles, formats = tiles[:1], formats[:1]
@@ -342,7 +344,7 @@ def main() -> None:
                 ("crossover", lambda: section_crossover(shapes, results)),
                 ("sweep", lambda: section_sweep(shapes, results) if ARGS.sweep else None),
                 ("twins", lambda: section_twins(results, DEVICE.type) if not ARGS.smoke else None),
-                ("served", lambda: section_served(results, DEVICE.type) if not ARGS.smoke else None)]
+                ("served", lambda: section_served(results, DEVICE.type, ARGS.served_methods.split(",")) if not ARGS.smoke else None)]
     for name, run in sections:
         if only and name not in only and name != "ceilings":
             continue

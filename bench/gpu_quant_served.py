@@ -9,7 +9,7 @@ import traceback
 import torch
 
 
-def section_served(results: dict, device: str) -> None:
+def section_served(results: dict, device: str, methods: list[str]) -> None:
     """The engine's own decode (LLMEngine.step, CUDA graphs, 128-token prompt, 512 new tokens, batch 1)
     with bf16 weights and each `--quantization` (in-situ quantized from the same random bf16 weights),
     as bench/gpu_perf.py measures bf16. Roofline: copy bandwidth / the bytes of weights a step reads."""
@@ -27,7 +27,7 @@ def section_served(results: dict, device: str) -> None:
     dense, load_s = gpu_perf.load_llama()
     rows = {"load_bf16_s": round(load_s, 1)}
     targets = {"int4": 400, "fp8": 300}
-    for method in ("bf16", "int4", "int8", "fp8"):
+    for method in methods:
         engine = None
         try:
             t0 = time.perf_counter()

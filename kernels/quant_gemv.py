@@ -3,18 +3,21 @@
 At decode batch sizes a linear layer is bound by reading its weight; a packed weight is 2-4x fewer
 bytes. Each program owns BLOCK_N output columns for every row of x and streams its rows of the packed
 weight once. Reading 4-bit weights at full bandwidth leaves a few instructions a weight, so the kernel
-keeps the per-weight work to integer ops, one subtraction and one multiply-add:
+keeps the per-weight work to integer ops and one multiply-add, with no conversion instruction (those run
+at a fraction of the FMA rate):
 
-- a code q becomes a float without a conversion instruction (those run at a fraction of the FMA rate):
-  the bits of (q | 0x4B000000) are the float 2**23 + q, and subtracting 2**23 + zero leaves q - zero
-  exactly (both are integers below 2**24);
-- scales, zeros and offsets are per group: each K tile is cut into chunks of one group each
-  ([BLOCK_N, NUM_CHUNKS, CHUNK]), the products are summed within a chunk and scaled once per chunk,
-  so w = s * (q - z) + o costs s * sum(x * (q - z)) + o * sum(x) per group instead of per weight.
+- 4-bit codes are read as 32-bit words of eight; each code is shifted into the top of the mantissa of
+  1.0 and OR-ed in, the float 1 + q / 16, and a group's sum(x * (q - z)) is 16 * sum(x * (1 + q / 16))
+  - (16 + z) * sum(x), the last sum shared by the program's rows (`_int4_tile`);
+- 5-, 6- and 8-bit codes are read a byte each: the bits of (q | 0x4B000000) are the float 2**23 + q, and
+  subtracting 2**23 + zero leaves q - zero exactly (both integers below 2**24) (`_byte_tile`);
+- scales, zeros and offsets are per group: each K tile is cut into chunks of one group each, the
+  products are summed within a chunk and scaled once per chunk, so w = s * (q - z) + o costs
+  s * sum(x * (q - z)) + o * sum(x) per group instead of per weight.
 
 Within each 32 columns byte j holds columns j and j + 16 (`quant_layout`), so a tile is two planes
-(lo: columns j, hi: columns j + 16) multiplied by two strided views of x. Results equal
-dequantize-then-matmul up to fp32 summation order.
+(lo: columns j, hi: columns j + 16) multiplied by matching views of x. Results equal
+dequantize-then-matmul up to fp32 rounding.
 
 The fused decoder's options are those of `kernels.gemv`: `gated` (x = [gate | up], the input is
 silu(gate) * up), `norm_weight` (the input is rms_norm(x) * norm_weight: the sums of squares ride along
@@ -28,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import cast, is_interpreter, next_pow2, pdl_args, pdl_enter
-from kernels.quant_layout import IntPackedWeight, kernel_args, tile_for, tile_parts
+from kernels.quant_layout import MAGIC_VALUE, IntPackedWeight, _group_params, kernel_args, tile_for, tile_parts
 
 MAX_QUANT_GEMV_ROWS = 16  # the most rows the kernel takes (the fused decoder options need it)
 # NOTE: past this many rows the tensor-core GEMM is faster even at decode sizes, so past it
@@ -52,7 +55,6 @@ def _quant_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNK: tl.constexpr, GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    NUM_CHUNKS: tl.constexpr = BLOCK_K // 2 // CHUNK
     pdl_enter(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -60,28 +62,15 @@ def _quant_gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k = tile_parts(
-            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
-            ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP)
-        if HAS_PERM:
-            cols_lo = tl.load(perm_ptr + cols_lo, mask=in_k, other=0)
-            cols_hi = tl.load(perm_ptr + cols_hi, mask=in_k, other=0)
-        if NORM:
-            nw_lo = tl.load(nw_ptr + cols_lo, mask=in_k, other=0.0).to(tl.float32)
-            nw_hi = tl.load(nw_ptr + cols_hi, mask=in_k, other=0.0).to(tl.float32)
-        # NOTE: one row of x at a time against the widened tile held in registers: the products of a
-        # row are [BN, NC, CHUNK], as at batch 1 (a [BM, BN, NC, CHUNK] broadcast spills registers).
-        for mi in tl.static_range(BLOCK_M):
-            x_row = x_ptr + tl.minimum(M - 1, mi).to(tl.int64) * stride_xm  # rows past M: never stored
-            x_lo = _load_x(x_row, cols_lo, in_k, K, GATED)  # [BK/2] fp32
-            x_hi = _load_x(x_row, cols_hi, in_k, K, GATED)
-            if NORM:
-                squares += tl.where(offs_m == mi, tl.sum(x_lo * x_lo) + tl.sum(x_hi * x_hi), 0.0)
-                x_lo *= nw_lo
-                x_hi *= nw_hi
-            part = (_scaled_chunk_sums(tl.reshape(x_lo, (NUM_CHUNKS, CHUNK)), w_lo, s_lo, o_lo, HAS_OFFSETS)
-                    + _scaled_chunk_sums(tl.reshape(x_hi, (NUM_CHUNKS, CHUNK)), w_hi, s_hi, o_hi, HAS_OFFSETS))
-            acc += tl.where(offs_m[:, None] == mi, part[None, :], 0.0)
+        if BITS == 4:
+            acc, squares = _int4_tile(acc, squares, x_ptr, perm_ptr, nw_ptr, qs_ptr, s_ptr, z_ptr, o_ptr, offs_n, offs_m,
+                                      k0, M, N, K, stride_xm, stride_qs, stride_s, GROUP, ZERO, HAS_ZEROS, HAS_OFFSETS,
+                                      HAS_PERM, GATED, NORM, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP)
+        else:
+            acc, squares = _byte_tile(acc, squares, x_ptr, perm_ptr, nw_ptr, qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n,
+                                      offs_m, k0, M, N, K, stride_xm, stride_qs, stride_qh, stride_s, BITS, GROUP, ZERO,
+                                      HAS_ZEROS, HAS_OFFSETS, HAS_PERM, GATED, NORM, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK,
+                                      GROUP_STEP, HI_GROUP)
     if NORM:
         acc = acc / tl.sqrt(squares / K + eps)[:, None]
     if HAS_BIAS:
@@ -92,6 +81,145 @@ def _quant_gemv_kernel(
                        other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], cast(acc, y_ptr.dtype.element_ty),
              mask=y_mask)
+
+
+@triton.jit
+def _byte_tile(acc, squares, x_ptr, perm_ptr, nw_ptr, qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, offs_m, k0, M, N,
+               K, stride_xm, stride_qs, stride_qh, stride_s, BITS: tl.constexpr, GROUP: tl.constexpr,
+               ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_OFFSETS: tl.constexpr, HAS_PERM: tl.constexpr,
+               GATED: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr):
+    """One K tile of 5-, 6- and 8-bit codes (a code a byte, plus high bits): (acc, squares) updated."""
+    NUM_CHUNKS: tl.constexpr = BLOCK_K // 2 // CHUNK
+    w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k = tile_parts(
+        qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
+        ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP)
+    if HAS_PERM:
+        cols_lo = tl.load(perm_ptr + cols_lo, mask=in_k, other=0)
+        cols_hi = tl.load(perm_ptr + cols_hi, mask=in_k, other=0)
+    if NORM:
+        nw_lo = tl.load(nw_ptr + cols_lo, mask=in_k, other=0.0).to(tl.float32)
+        nw_hi = tl.load(nw_ptr + cols_hi, mask=in_k, other=0.0).to(tl.float32)
+    # NOTE: one row of x at a time against the widened tile held in registers: the products of a
+    # row are [BN, NC, CHUNK], as at batch 1 (a [BM, BN, NC, CHUNK] broadcast spills registers).
+    for mi in tl.static_range(BLOCK_M):
+        x_row = x_ptr + tl.minimum(M - 1, mi).to(tl.int64) * stride_xm  # rows past M: never stored
+        x_lo = _load_x(x_row, cols_lo, in_k, K, GATED)  # [BK/2] fp32
+        x_hi = _load_x(x_row, cols_hi, in_k, K, GATED)
+        if NORM:
+            squares += tl.where(offs_m == mi, tl.sum(x_lo * x_lo) + tl.sum(x_hi * x_hi), 0.0)
+            x_lo *= nw_lo
+            x_hi *= nw_hi
+        part = (_scaled_chunk_sums(tl.reshape(x_lo, (NUM_CHUNKS, CHUNK)), w_lo, s_lo, o_lo, HAS_OFFSETS)
+                + _scaled_chunk_sums(tl.reshape(x_hi, (NUM_CHUNKS, CHUNK)), w_hi, s_hi, o_hi, HAS_OFFSETS))
+        acc += tl.where(offs_m[:, None] == mi, part[None, :], 0.0)
+    return acc, squares
+
+
+@triton.jit
+def _int4_tile(acc, squares, x_ptr, perm_ptr, nw_ptr, qs_ptr, s_ptr, z_ptr, o_ptr, offs_n, offs_m, k0, M, N, K,
+               stride_xm, stride_qs, stride_s, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
+               HAS_OFFSETS: tl.constexpr, HAS_PERM: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+               GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr):
+    """One K tile of 4-bit codes, read as 32-bit words of eight codes: (acc, squares) updated.
+
+    Word j of a run of 16 bytes holds bytes 4j .. 4j + 3, so its nibble 2b is column 4j + b and nibble
+    2b + 1 column 16 + 4j + b of the run's 32. Each nibble is shifted into the top of the mantissa of 1.0:
+    the float 1 + q / 16, one shift and one logic op a code, no conversion and no subtraction, since per
+    group sum((q - z) * x) = 16 * sum((1 + q / 16) * x) - (16 + z) * sum(x), the last sum shared by every
+    row of the tile. (x times values in [1, 2) keeps the rounding near plain fp32's: 4e-7 relative on
+    random weights, against 1e-7 for a subtraction a code.)"""
+    NUM_WORDS: tl.constexpr = BLOCK_K // 8
+    NUM_CHUNKS: tl.constexpr = BLOCK_K // 2 // CHUNK
+    CHUNK_WORDS: tl.constexpr = CHUNK // 4  # a chunk's lo-plane columns: four a word
+    word = tl.arange(0, NUM_WORDS)
+    first_col = k0 + (word // 4) * 32 + (word % 4) * 4  # [NW] the column of the word's nibble 0
+    in_k = first_col < K  # K % 32 == 0: a run is inside K or outside it
+    n_mask = offs_n < N
+    rows = offs_n[:, None].to(tl.int64)
+    words = tl.load(qs_ptr.to(tl.pointer_type(tl.int32)) + rows * (stride_qs // 4) + (k0 // 8 + word)[None, :],
+                    mask=n_mask[:, None] & in_k[None, :], other=0)  # [BN, NW]
+    f0 = _nibble(words, 0)  # [BN, NW] fp32 each: 1 + q / 16 of nibble 0 .. 7
+    f1 = _nibble(words, 1)
+    f2 = _nibble(words, 2)
+    f3 = _nibble(words, 3)
+    f4 = _nibble(words, 4)
+    f5 = _nibble(words, 5)
+    f6 = _nibble(words, 6)
+    f7 = _nibble(words, 7)
+    chunks = tl.arange(0, NUM_CHUNKS)
+    group_lo = k0 // GROUP + chunks * GROUP_STEP
+    in_groups = (k0 + chunks * (2 * CHUNK)) < K
+    z_lo, s_lo, o_lo = _group_params(z_ptr, s_ptr, o_ptr, rows, group_lo, n_mask, in_groups, stride_s, ZERO, HAS_ZEROS,
+                                     HAS_OFFSETS)  # [BN, NC] each
+    if HI_GROUP == 0:
+        z_hi = z_lo
+        s_hi = s_lo
+        o_hi = o_lo
+    else:
+        z_hi, s_hi, o_hi = _group_params(z_ptr, s_ptr, o_ptr, rows, group_lo + HI_GROUP, n_mask, in_groups, stride_s,
+                                         ZERO, HAS_ZEROS, HAS_OFFSETS)
+    # (2**23 + z) - (2**23 - 16) = 16 + z exactly: the per-group term of the sums above
+    z_lo = z_lo - (MAGIC_VALUE - 16.0)
+    z_hi = z_hi - (MAGIC_VALUE - 16.0)
+    for mi in tl.static_range(BLOCK_M):
+        x_row = x_ptr + tl.minimum(M - 1, mi).to(tl.int64) * stride_xm  # rows past M: never stored
+        x0, y0 = _x_at(x_row, perm_ptr, nw_ptr, first_col, in_k, K, HAS_PERM, GATED, NORM)  # [NW] each
+        x1, y1 = _x_at(x_row, perm_ptr, nw_ptr, first_col + 16, in_k, K, HAS_PERM, GATED, NORM)
+        x2, y2 = _x_at(x_row, perm_ptr, nw_ptr, first_col + 1, in_k, K, HAS_PERM, GATED, NORM)
+        x3, y3 = _x_at(x_row, perm_ptr, nw_ptr, first_col + 17, in_k, K, HAS_PERM, GATED, NORM)
+        x4, y4 = _x_at(x_row, perm_ptr, nw_ptr, first_col + 2, in_k, K, HAS_PERM, GATED, NORM)
+        x5, y5 = _x_at(x_row, perm_ptr, nw_ptr, first_col + 18, in_k, K, HAS_PERM, GATED, NORM)
+        x6, y6 = _x_at(x_row, perm_ptr, nw_ptr, first_col + 3, in_k, K, HAS_PERM, GATED, NORM)
+        x7, y7 = _x_at(x_row, perm_ptr, nw_ptr, first_col + 19, in_k, K, HAS_PERM, GATED, NORM)
+        if NORM:
+            row_squares = tl.sum(x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3 + x4 * x4 + x5 * x5 + x6 * x6 + x7 * x7)
+            squares += tl.where(offs_m == mi, row_squares, 0.0)
+        products_lo = f0 * y0[None, :] + f2 * y2[None, :] + f4 * y4[None, :] + f6 * y6[None, :]  # [BN, NW]
+        products_hi = f1 * y1[None, :] + f3 * y3[None, :] + f5 * y5[None, :] + f7 * y7[None, :]
+        part = (_int4_chunk_sums(products_lo, y0 + y2 + y4 + y6, z_lo, s_lo, o_lo, HAS_OFFSETS, BLOCK_N, NUM_CHUNKS,
+                                 CHUNK_WORDS)
+                + _int4_chunk_sums(products_hi, y1 + y3 + y5 + y7, z_hi, s_hi, o_hi, HAS_OFFSETS, BLOCK_N, NUM_CHUNKS,
+                                   CHUNK_WORDS))
+        acc += tl.where(offs_m[:, None] == mi, part[None, :], 0.0)
+    return acc, squares
+
+
+@triton.jit
+def _nibble(words, INDEX: tl.constexpr):
+    """Nibble INDEX (bits 4 * INDEX .. 4 * INDEX + 3) of each word as the float 1 + q / 16: moved to the top
+    four bits of the mantissa of 1.0."""
+    SHIFT: tl.constexpr = 19 - 4 * INDEX
+    if SHIFT > 0:
+        words = words << SHIFT
+    else:
+        words = words >> -SHIFT  # arithmetic: the mask drops the sign bits
+    return ((words & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int4_chunk_sums(products, x_sums, zero, scale, offset, HAS_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     NUM_CHUNKS: tl.constexpr, CHUNK_WORDS: tl.constexpr):
+    """One plane of one row: sum over chunks of scale * (16 * sum((1 + q / 16) * x) - (16 + z) * sum(x))
+    (+ offset * sum(x)): products [BN, NW], x_sums [NW], zero (16 + z), scale, offset [BN, NC] -> [BN]."""
+    sums = tl.sum(tl.reshape(products, (BLOCK_N, NUM_CHUNKS, CHUNK_WORDS)), axis=2)  # [BN, NC]
+    x_chunk = tl.sum(tl.reshape(x_sums, (NUM_CHUNKS, CHUNK_WORDS)), axis=1)[None, :]  # [1, NC]
+    sums = (sums * 16.0 - zero * x_chunk) * scale
+    if HAS_OFFSETS:
+        sums += offset * x_chunk
+    return tl.sum(sums, axis=1)
+
+
+@triton.jit
+def _x_at(x_row, perm_ptr, nw_ptr, cols, in_k, K, HAS_PERM: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr):
+    """(x, x * norm weight) of one row at packed columns `cols`, fp32 (x twice without NORM)."""
+    if HAS_PERM:
+        cols = tl.load(perm_ptr + cols, mask=in_k, other=0)
+    x = _load_x(x_row, cols, in_k, K, GATED)
+    if NORM:
+        return x, x * tl.load(nw_ptr + cols, mask=in_k, other=0.0).to(tl.float32)
+    return x, x
 
 
 @triton.jit

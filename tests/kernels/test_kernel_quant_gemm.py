@@ -23,6 +23,7 @@ VARIANTS = {
     "awq_g128": (4, 128, True, False, False),
     "int4_per_channel": (4, None, False, False, False),
     "q4_1_g32": (4, 32, False, True, False),
+    "int4_g16_offsets": (4, 16, True, True, False),  # lo and hi nibbles of a byte in different groups
     "q5_k_g32": (5, 32, False, True, False),
     "q6_k_g16": (6, 16, False, False, False),
     "int8_per_channel": (8, None, False, False, False),
