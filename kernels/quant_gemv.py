@@ -122,33 +122,29 @@ def _int4_tile(acc, squares, x_ptr, perm_ptr, nw_ptr, qs_ptr, s_ptr, z_ptr, o_pt
                HAS_OFFSETS: tl.constexpr, HAS_PERM: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
                GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr):
-    """One K tile of 4-bit codes, read as 32-bit words of eight codes: (acc, squares) updated.
+    """One K tile of 4-bit codes, read as 32-bit words of eight: (acc, squares) updated.
 
-    Word j of a run of 16 bytes holds bytes 4j .. 4j + 3, so its nibble 2b is column 4j + b and nibble
-    2b + 1 column 16 + 4j + b of the run's 32. Each nibble is shifted into the top of the mantissa of 1.0:
-    the float 1 + q / 16, one shift and one logic op a code, no conversion and no subtraction, since per
-    group sum((q - z) * x) = 16 * sum((1 + q / 16) * x) - (16 + z) * sum(x), the last sum shared by every
-    row of the tile. (x times values in [1, 2) keeps the rounding near plain fp32's: 4e-7 relative on
-    random weights, against 1e-7 for a subtraction a code.)"""
-    NUM_WORDS: tl.constexpr = BLOCK_K // 8
+    Word j of a run of 16 bytes holds bytes 4j .. 4j + 3: byte b's low nibble is column 4j + b of the run's
+    32, its high nibble column 16 + 4j + b. Rotating the word moves one nibble to the top of the mantissa
+    of 1.0, and OR-ing it into those bits makes the float 1 + q / 16: one rotate and one logic op a code,
+    no conversion and no subtraction, since per group sum((q - z) * x) = 16 * sum((1 + q / 16) * x)
+    - (16 + z) * sum(x), the last sum shared by every row of the tile. (x times values in [1, 2) keeps the
+    rounding near plain fp32's: 4e-7 relative on random weights, against 1e-7 for a subtraction a code.)"""
     NUM_CHUNKS: tl.constexpr = BLOCK_K // 2 // CHUNK
     CHUNK_WORDS: tl.constexpr = CHUNK // 4  # a chunk's lo-plane columns: four a word
-    word = tl.arange(0, NUM_WORDS)
-    first_col = k0 + (word // 4) * 32 + (word % 4) * 4  # [NW] the column of the word's nibble 0
-    in_k = first_col < K  # K % 32 == 0: a run is inside K or outside it
     n_mask = offs_n < N
     rows = offs_n[:, None].to(tl.int64)
-    words = tl.load(qs_ptr.to(tl.pointer_type(tl.int32)) + rows * (stride_qs // 4) + (k0 // 8 + word)[None, :],
-                    mask=n_mask[:, None] & in_k[None, :], other=0)  # [BN, NW]
-    f0 = _nibble(words, 0)  # [BN, NW] fp32 each: 1 + q / 16 of nibble 0 .. 7
-    f1 = _nibble(words, 1)
-    f2 = _nibble(words, 2)
-    f3 = _nibble(words, 3)
-    f4 = _nibble(words, 4)
-    f5 = _nibble(words, 5)
-    f6 = _nibble(words, 6)
-    f7 = _nibble(words, 7)
     chunks = tl.arange(0, NUM_CHUNKS)
+    word = chunks[:, None] * CHUNK_WORDS + tl.arange(0, CHUNK_WORDS)[None, :]  # [NC, CW] within the tile
+    byte = tl.arange(0, 4)
+    # [NC, CW, 4] the lo-plane column of each nibble (the hi plane's is 16 more); whole runs are in or out of K
+    cols_lo = k0 + (word // 4 * 32 + word % 4 * 4)[:, :, None] + byte[None, None, :]
+    in_k = cols_lo < K
+    words = tl.load(qs_ptr.to(tl.pointer_type(tl.uint32)) + rows[:, :, None] * (stride_qs // 4)
+                    + (k0 // 8 + word)[None, :, :], mask=n_mask[:, None, None] & ((k0 + word // 4 * 32) < K)[None, :, :],
+                    other=0)  # [BN, NC, CW]
+    f_lo = _nibbles(words, 19 - 8 * byte)  # [BN, NC, CW, 4]: 1 + q / 16 of byte b's low nibble
+    f_hi = _nibbles(words, 15 - 8 * byte)  # ... and of its high nibble
     group_lo = k0 // GROUP + chunks * GROUP_STEP
     in_groups = (k0 + chunks * (2 * CHUNK)) < K
     z_lo, s_lo, o_lo = _group_params(z_ptr, s_ptr, o_ptr, rows, group_lo, n_mask, in_groups, stride_s, ZERO, HAS_ZEROS,
@@ -165,49 +161,35 @@ def _int4_tile(acc, squares, x_ptr, perm_ptr, nw_ptr, qs_ptr, s_ptr, z_ptr, o_pt
     z_hi = z_hi - (MAGIC_VALUE - 16.0)
     for mi in tl.static_range(BLOCK_M):
         x_row = x_ptr + tl.minimum(M - 1, mi).to(tl.int64) * stride_xm  # rows past M: never stored
-        x0, y0 = _x_at(x_row, perm_ptr, nw_ptr, first_col, in_k, K, HAS_PERM, GATED, NORM)  # [NW] each
-        x1, y1 = _x_at(x_row, perm_ptr, nw_ptr, first_col + 16, in_k, K, HAS_PERM, GATED, NORM)
-        x2, y2 = _x_at(x_row, perm_ptr, nw_ptr, first_col + 1, in_k, K, HAS_PERM, GATED, NORM)
-        x3, y3 = _x_at(x_row, perm_ptr, nw_ptr, first_col + 17, in_k, K, HAS_PERM, GATED, NORM)
-        x4, y4 = _x_at(x_row, perm_ptr, nw_ptr, first_col + 2, in_k, K, HAS_PERM, GATED, NORM)
-        x5, y5 = _x_at(x_row, perm_ptr, nw_ptr, first_col + 18, in_k, K, HAS_PERM, GATED, NORM)
-        x6, y6 = _x_at(x_row, perm_ptr, nw_ptr, first_col + 3, in_k, K, HAS_PERM, GATED, NORM)
-        x7, y7 = _x_at(x_row, perm_ptr, nw_ptr, first_col + 19, in_k, K, HAS_PERM, GATED, NORM)
+        x_lo, y_lo = _x_at(x_row, perm_ptr, nw_ptr, cols_lo, in_k, K, HAS_PERM, GATED, NORM)  # [NC, CW, 4] each
+        x_hi, y_hi = _x_at(x_row, perm_ptr, nw_ptr, cols_lo + 16, in_k, K, HAS_PERM, GATED, NORM)
         if NORM:
-            row_squares = tl.sum(x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3 + x4 * x4 + x5 * x5 + x6 * x6 + x7 * x7)
-            squares += tl.where(offs_m == mi, row_squares, 0.0)
-        products_lo = f0 * y0[None, :] + f2 * y2[None, :] + f4 * y4[None, :] + f6 * y6[None, :]  # [BN, NW]
-        products_hi = f1 * y1[None, :] + f3 * y3[None, :] + f5 * y5[None, :] + f7 * y7[None, :]
-        part = (_int4_chunk_sums(products_lo, y0 + y2 + y4 + y6, z_lo, s_lo, o_lo, HAS_OFFSETS, BLOCK_N, NUM_CHUNKS,
-                                 CHUNK_WORDS)
-                + _int4_chunk_sums(products_hi, y1 + y3 + y5 + y7, z_hi, s_hi, o_hi, HAS_OFFSETS, BLOCK_N, NUM_CHUNKS,
-                                   CHUNK_WORDS))
+            squares += tl.where(offs_m == mi, tl.sum(tl.sum(tl.sum(x_lo * x_lo + x_hi * x_hi, 2), 1), 0), 0.0)
+        part = (_int4_chunk_sums(f_lo, y_lo, z_lo, s_lo, o_lo, HAS_OFFSETS)
+                + _int4_chunk_sums(f_hi, y_hi, z_hi, s_hi, o_hi, HAS_OFFSETS))
         acc += tl.where(offs_m[:, None] == mi, part[None, :], 0.0)
     return acc, squares
 
 
 @triton.jit
-def _nibble(words, INDEX: tl.constexpr):
-    """Nibble INDEX (bits 4 * INDEX .. 4 * INDEX + 3) of each word as the float 1 + q / 16: moved to the top
-    four bits of the mantissa of 1.0."""
-    SHIFT: tl.constexpr = 19 - 4 * INDEX
-    if SHIFT > 0:
-        words = words << SHIFT
-    else:
-        words = words >> -SHIFT  # arithmetic: the mask drops the sign bits
-    return ((words & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
+def _nibbles(words, shifts):
+    """words [BN, NC, CW] rotated left by each of `shifts` [4] (mod 32) -> the nibble now at bits 19-22 as the
+    float 1 + q / 16, [BN, NC, CW, 4]."""
+    amounts = (shifts & 31).to(tl.uint32)[None, None, None, :]
+    w = words[:, :, :, None]
+    rotated = (w << amounts) | (w >> ((32 - amounts) & 31))
+    return ((rotated & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _int4_chunk_sums(products, x_sums, zero, scale, offset, HAS_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     NUM_CHUNKS: tl.constexpr, CHUNK_WORDS: tl.constexpr):
-    """One plane of one row: sum over chunks of scale * (16 * sum((1 + q / 16) * x) - (16 + z) * sum(x))
-    (+ offset * sum(x)): products [BN, NW], x_sums [NW], zero (16 + z), scale, offset [BN, NC] -> [BN]."""
-    sums = tl.sum(tl.reshape(products, (BLOCK_N, NUM_CHUNKS, CHUNK_WORDS)), axis=2)  # [BN, NC]
-    x_chunk = tl.sum(tl.reshape(x_sums, (NUM_CHUNKS, CHUNK_WORDS)), axis=1)[None, :]  # [1, NC]
-    sums = (sums * 16.0 - zero * x_chunk) * scale
+def _int4_chunk_sums(f, y, zero, scale, offset, HAS_OFFSETS: tl.constexpr):
+    """One plane of one row: sum over chunks of scale * (16 * sum(f * y) - (16 + z) * sum(y)) (+ offset * sum(y)):
+    f [BN, NC, CW, 4], y [NC, CW, 4], zero (16 + z), scale, offset [BN, NC] -> [BN]."""
+    sums = tl.sum(tl.sum(f * y[None, :, :, :], axis=3), axis=2)  # [BN, NC]
+    y_chunk = tl.sum(tl.sum(y, axis=2), axis=1)[None, :]  # [1, NC]
+    sums = (sums * 16.0 - zero * y_chunk) * scale
     if HAS_OFFSETS:
-        sums += offset * x_chunk
+        sums += offset * y_chunk
     return tl.sum(sums, axis=1)
 
 
