@@ -63,6 +63,8 @@ else:
         (128, 4, 32, BF16, odd_lens(32)),
         (64, 8, 32, F16, [1, 33]),
         (64, 4, 16, BF16, [random.randint(1, 40) for _ in range(64)]),
+        (96, 1, 16, BF16, [1, 17, 40]),  # MHA: fp32 products, no tensor-core dots
+        (64, 2, 16, F16, [1, 33]),
     ]
 
 
@@ -140,14 +142,15 @@ def test_decode_tile_configs(block_n, num_warps, num_stages, is_fp8):
         assert err <= TOL[BF16], f"splits={splits}: relative error {err:.3g}"
 
 
+@pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("head_dim", [64, 128] if not ON_GPU else [64, 80, 96, 128])
-def test_decode_fp8_cache(dtype, head_dim):
+def test_decode_fp8_cache(dtype, head_dim, group):
     lens = [1, 16, 17, 40] + ([4097] if ON_GPU else [])
     k_scale, v_scale = 0.02, 0.03
     exact = PagedKV(lens, 16, 2, head_dim, dtype)
     kv8 = as_fp8(exact, k_scale, v_scale)
-    q = torch.randn(len(lens), 8, head_dim, device=DEVICE).to(dtype)
+    q = torch.randn(len(lens), 2 * group, head_dim, device=DEVICE).to(dtype)
     scale = head_dim**-0.5
     for splits in (1, 4):
         out = poisoned(q.shape, dtype)
