@@ -32,9 +32,6 @@ from kernels.paged_kv import check_paged_kv, paged_kv_strides
 from kernels.split_kv import MAX_KV_SPLITS, choose_num_kv_splits, merge_splits, split_bounds
 
 _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-# NOTE: a tensor-core dot takes at least 16 query rows: for a group of one or two heads (MHA) 14-15 of them
-# would be padding, so such groups multiply and sum in fp32 instead, with a query tile of their own size.
-MAX_VECTOR_GROUP = 2
 
 
 @triton.jit
@@ -123,7 +120,6 @@ def _decode_split_kernel(
     QK_NORM: tl.constexpr,
     QUANT_STORE: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
-    USE_DOT: tl.constexpr,  # tensor-core dots; else products and sums in fp32 (a group of one or two heads)
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
@@ -142,7 +138,7 @@ def _decode_split_kernel(
     q = load_query(q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head, offs_d,
                    h_mask[:, None] & d_mask[None, :], seq, positions_ptr, cos_sin_ptr, stride_cs, q_norm_ptr, norm_eps,
                    HEAD_DIM, ROPE, QK_NORM, q_ptr.dtype.element_ty)  # [BLOCK_H, BLOCK_D]
-    if FP16_DOTS and USE_DOT:
+    if FP16_DOTS:
         q, sm_scale = fp16_operand(q, sm_scale)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
@@ -165,11 +161,8 @@ def _decode_split_kernel(
     for n in range(lo, hi, BLOCK_N):
         k, v, valid = _load_kv_tile(bt_row, k_base, v_base, n, hi, first, stride_k_block, stride_k_tok, stride_v_block,
                                     stride_v_tok, offs_d, d_mask, BLOCK_N, PAGE_SIZE, USE_WINDOW)
-        if USE_DOT:
-            k = k.to(q.dtype)
-            s = mma(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_PREC, UPCAST)  # [BLOCK_H, BLOCK_N]
-        else:
-            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        k = k.to(q.dtype)
+        s = mma(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_PREC, UPCAST)  # [BLOCK_H, BLOCK_N]
         if USE_SOFT_CAP:
             s = (soft_cap * _LOG2E) * _tanh(s * (sm_scale / soft_cap))
         else:
@@ -179,15 +172,12 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if USE_DOT:
-            if FP16_DOTS:
-                # NOTE: a product with a run-time 1.0 keeps the compiler from moving the widening after
-                # shared memory, where fp8 V, read transposed, is fetched byte by byte (64 LDS.U8 a tile).
-                v = v.to(tl.float16) * tl.cast(one, tl.float16)
-            v = v.to(q.dtype)
-            acc = mma(cast(p, q.dtype), v, acc * alpha[:, None], DOT_PREC, UPCAST)
-        else:
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        if FP16_DOTS:
+            # NOTE: a product with a run-time 1.0 keeps the compiler from moving the widening after
+            # shared memory, where fp8 V, read transposed, is fetched byte by byte (64 LDS.U8 a tile).
+            v = v.to(tl.float16) * tl.cast(one, tl.float16)
+        v = v.to(q.dtype)
+        acc = mma(cast(p, q.dtype), v, acc * alpha[:, None], DOT_PREC, UPCAST)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -283,7 +273,7 @@ def paged_decode_attention(
         float(k_scale),
         HEAD_DIM=head_dim,
         BLOCK_D=next_pow2(head_dim),
-        BLOCK_H=next_pow2(group) if group <= MAX_VECTOR_GROUP else max(16, next_pow2(group)),
+        BLOCK_H=max(16, next_pow2(group)),
         BLOCK_N=block_n,
         PAGE_SIZE=page_size,
         NUM_SPLITS=num_kv_splits,
@@ -292,7 +282,6 @@ def paged_decode_attention(
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=dot_upcast(),
         FP16_DOTS=fp16_dots,
-        USE_DOT=group > MAX_VECTOR_GROUP,
         **append_opts,
         **launch_opts,
         **pdl_args(q.device),
