@@ -60,9 +60,9 @@ def _quant_gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k = tile_parts(
+        w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k, z_lo, z_hi = tile_parts(
             qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
-            ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP)
+            ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, UNIT_CODES=True)
         if HAS_PERM:
             cols_lo = tl.load(perm_ptr + cols_lo, mask=in_k, other=0)
             cols_hi = tl.load(perm_ptr + cols_hi, mask=in_k, other=0)
@@ -79,8 +79,10 @@ def _quant_gemv_kernel(
                 squares += tl.where(offs_m == mi, tl.sum(x_lo * x_lo) + tl.sum(x_hi * x_hi), 0.0)
                 x_lo *= nw_lo
                 x_hi *= nw_hi
-            part = (_scaled_chunk_sums(tl.reshape(x_lo, (NUM_CHUNKS, CHUNK)), w_lo, s_lo, o_lo, HAS_OFFSETS)
-                    + _scaled_chunk_sums(tl.reshape(x_hi, (NUM_CHUNKS, CHUNK)), w_hi, s_hi, o_hi, HAS_OFFSETS))
+            part = (_scaled_chunk_sums(tl.reshape(x_lo, (NUM_CHUNKS, CHUNK)), w_lo, s_lo, o_lo, z_lo, HAS_OFFSETS,
+                                       BITS == 4)
+                    + _scaled_chunk_sums(tl.reshape(x_hi, (NUM_CHUNKS, CHUNK)), w_hi, s_hi, o_hi, z_hi, HAS_OFFSETS,
+                                         BITS == 4))
             acc += tl.where(offs_m[:, None] == mi, part[None, :], 0.0)
     if NORM:
         acc = acc / tl.sqrt(squares / K + eps)[:, None]
@@ -95,12 +97,18 @@ def _quant_gemv_kernel(
 
 
 @triton.jit
-def _scaled_chunk_sums(x, w, scale, offset, HAS_OFFSETS: tl.constexpr):
-    """One row: sum over chunks of scale * sum(x * w) (+ offset * sum(x)): x [NC, CH], w [BN, NC, CH],
-    scale and offset [BN, NC] -> [BN]."""
-    sums = tl.sum(w * x[None, :, :], axis=2) * scale  # [BN, NC]
+def _scaled_chunk_sums(x, w, scale, offset, zero, HAS_OFFSETS: tl.constexpr, UNIT_CODES: tl.constexpr):
+    """One row: sum over chunks of scale * sum(x * w) (+ offset * sum(x)): x [NC, CH], w [BN, NC, CH] (q - z),
+    scale, offset [BN, NC] -> [BN]. UNIT_CODES: w is 1 + q / 16 and `zero` [BN, NC] 16 + z, so sum(x * (q - z))
+    is 16 * sum(x * w) - zero * sum(x) (the sum of x shared by every column of the tile)."""
+    sums = tl.sum(w * x[None, :, :], axis=2)  # [BN, NC]
+    if UNIT_CODES or HAS_OFFSETS:
+        x_sums = tl.sum(x, axis=1)[None, :]
+    if UNIT_CODES:
+        sums = sums * 16.0 - zero * x_sums
+    sums = sums * scale
     if HAS_OFFSETS:
-        sums += offset * tl.sum(x, axis=1)[None, :]
+        sums += offset * x_sums
     return tl.sum(sums, axis=1)
 
 

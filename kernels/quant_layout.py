@@ -170,7 +170,7 @@ MAGIC_VALUE = tl.constexpr(8388608.0)  # 2.0 ** 23
 def tile_parts(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s,
                BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
                HAS_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
-               GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr):
+               GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr, UNIT_CODES: tl.constexpr = False):
     """Columns k0 .. k0 + BLOCK_K of rows `offs_n` (k0 a multiple of BLOCK_K, itself of 32) as two planes,
     lo (columns j of each 32) and hi (j + 16), each cut into NC = BLOCK_K / 2 / CHUNK chunks of one group
     (`group_chunks`): (w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k) with w = q - zero exactly,
@@ -215,11 +215,20 @@ def tile_parts(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs,
     else:
         z_hi, s_hi, o_hi = _group_params(z_ptr, s_ptr, o_ptr, rows, group_lo + HI_GROUP, n_mask, in_groups,
                                          stride_s, ZERO, HAS_ZEROS, HAS_OFFSETS)
+    if BITS == 4 and UNIT_CODES:
+        # each nibble shifted into the top of the mantissa of 1.0: the float 1 + q / 16, and the zero's
+        # term 16 + z = (2**23 + z) - (2**23 - 16), both exact
+        w_lo = tl.reshape((((byte << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True),
+                          (BLOCK_N, NUM_CHUNKS, CHUNK))
+        w_hi = tl.reshape((((byte << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True),
+                          (BLOCK_N, NUM_CHUNKS, CHUNK))
+        return w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k, z_lo - (MAGIC_VALUE - 16.0), \
+            z_hi - (MAGIC_VALUE - 16.0)
     w_lo = tl.reshape((q_lo | FLOAT_MAGIC).to(tl.float32, bitcast=True), (BLOCK_N, NUM_CHUNKS, CHUNK))
     w_hi = tl.reshape((q_hi | FLOAT_MAGIC).to(tl.float32, bitcast=True), (BLOCK_N, NUM_CHUNKS, CHUNK))
     w_lo = w_lo - z_lo[:, :, None]
     w_hi = w_hi - z_hi[:, :, None]
-    return w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k
+    return w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k, z_lo, z_hi
 
 
 @triton.jit
@@ -246,7 +255,7 @@ def dequant_tile(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_q
                  HAS_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
                  GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr):
     """`tile_parts` widened to the weight: (w_lo, w_hi, cols_lo, cols_hi, in_k), planes fp32 [BN, BK/2]."""
-    w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k = tile_parts(
+    w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k, _, _ = tile_parts(
         qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP, ZERO,
         HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP)
     w_lo = w_lo * s_lo[:, :, None]
