@@ -7,7 +7,8 @@ dequantize-then-matmul up to fp32 summation order, more accurate than the fp8 x 
 
 e4m3 becomes fp32 without a conversion instruction (those run at a fraction of the FMA rate): its
 bits moved into an fp32's sign, exponent and mantissa make the same number times 2**-120 (the bias
-difference, 127 - 7), so two integer ops and one multiply decode it. Scales apply once per scale block:
+difference, 127 - 7): two integer ops, the 2**120 carried by x (2**40) and the scales (2**80) instead
+of a multiply a weight. Scales apply once per scale block:
 a K tile lies within one block, or (one row of x, blocks a power of two wide) covers several, whose
 products are summed block by block before their scales apply ([128, 128] blocks would otherwise cap
 the tile at 128 bytes a weight row).
@@ -24,14 +25,22 @@ from kernels._common import cast, is_interpreter, next_pow2, pdl_args, pdl_enter
 MAX_FP8_GEMV_ROWS = 1  # more rows go to the fp8 x fp8 GEMM, faster there (bench/gpu_quant.py --only crossover)
 
 
+# NOTE: e4m3 decoded by bit moves is the code's value times 2**-120. Rather than a multiply a weight, x is
+# scaled by 2**40 (once a tile, shared by its columns) and the scales by 2**80, both exact: the products
+# (value * x * 2**-80) stay normal floats for |value * x| >= 2**-46, and a group's sum is a chain of
+# multiply-adds.
+X_SCALE: tl.constexpr = tl.constexpr(1099511627776.0)  # 2**40
+W_SCALE: tl.constexpr = tl.constexpr(1.2089258196146292e24)  # 2**80
+
+
 @triton.jit
-def e4m3_bits_to_fp32(code):
-    """e4m3 codes (int32 holding the raw byte in its low 8 bits) -> their exact fp32 values."""
+def e4m3_bits_scaled(code):
+    """e4m3 codes (int32 holding the raw byte in its low 8 bits) -> their exact values times 2**-120, fp32."""
     # The byte to the top, then arithmetically 4 back: the sign stays in bit 31, the exponent and
     # mantissa land in fp32's bits 23-26 and 20-22. That float is the code's value * 2**-120 (subnormal
-    # codes included, as fp32 subnormals), so one multiply by 2**120 finishes it.
+    # codes included, as fp32 subnormals).
     bits = ((code << 24) >> 4) & -2014314496  # 0x87F00000: sign, 4 exponent and 3 mantissa bits
-    return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2**120
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -61,16 +70,16 @@ def _fp8_gemv_kernel(
         k = k0 + offs_k
         in_k = k < K
         code = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & in_k[None, :], other=0).to(tl.int32)
-        w = e4m3_bits_to_fp32(code)  # [BN, BK]
-        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & in_k[None, :], other=0.0).to(tl.float32)
+        w = e4m3_bits_scaled(code)  # [BN, BK] value * 2**-120
+        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & in_k[None, :], other=0.0).to(tl.float32) * X_SCALE
         if GROUPS_PER_TILE > 1:  # one row of x; the tile's scale blocks summed one by one
             groups = k0 // GROUP_K + tl.arange(0, GROUPS_PER_TILE)
             scales = tl.load(s_rows[:, None] + groups[None, :], mask=n_mask[:, None] & (groups * GROUP_K < K)[None, :],
-                             other=0.0)  # [BN, G]
+                             other=0.0) * W_SCALE  # [BN, G]
             sums = tl.sum(tl.reshape(w * x, (BLOCK_N, GROUPS_PER_TILE, GROUP_K)), axis=2)  # [BN, G]
             acc += tl.reshape(tl.sum(sums * scales, axis=1), (1, BLOCK_N))
         else:
-            scale = tl.load(s_rows + k0 // GROUP_K, mask=n_mask, other=0.0)  # [BN]
+            scale = tl.load(s_rows + k0 // GROUP_K, mask=n_mask, other=0.0) * W_SCALE  # [BN]
             if BLOCK_M == 1:
                 part = tl.reshape(tl.sum(w * x, axis=1), (1, BLOCK_N))
             else:
