@@ -253,7 +253,8 @@ def section_sweep(shapes: dict, results: dict) -> None:
     """Batch-1 GEMV tiles per projection shape, GB/s (weights rotated over > L2 so each call reads memory).
     A format named FMT+fused sweeps FMT with the options the fused decoder gives each projection."""
     rows = []
-    tiles = [(bn, int(bk), nw) for bn in (4, 8, 16, 32) for bk in ARGS.sweep_block_k.split(",") for nw in (4, 8)]
+    block_ks = [int(bk) for bk in ARGS.sweep_block_k.split(",")]
+    tiles = [(bn, bk, nw) for bn in (4, 8, 16, 32) for bk in block_ks for nw in (4, 8)]
     formats = ARGS.sweep_formats.split(",")
     if ARGS.smoke:
         tiles, formats = tiles[:1], formats[:1]
@@ -344,7 +345,8 @@ def main() -> None:
                 ("crossover", lambda: section_crossover(shapes, results)),
                 ("sweep", lambda: section_sweep(shapes, results) if ARGS.sweep else None),
                 ("twins", lambda: section_twins(results, DEVICE.type) if not ARGS.smoke else None),
-                ("served", lambda: section_served(results, DEVICE.type, ARGS.served_methods.split(",")) if not ARGS.smoke else None)]
+                ("served", lambda: (section_served(results, DEVICE.type, ARGS.served_methods.split(","))
+                                    if not ARGS.smoke else None))]
     for name, run in sections:
         if only and name not in only and name != "ceilings":
             continue
