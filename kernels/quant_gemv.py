@@ -3,18 +3,23 @@
 At decode batch sizes a linear layer is bound by reading its weight; a packed weight is 2-4x fewer
 bytes. Each program owns BLOCK_N output columns for every row of x and streams its rows of the packed
 weight once. Reading 4-bit weights at full bandwidth leaves a few instructions a weight, so the kernel
-keeps the per-weight work to integer ops, one subtraction and one multiply-add:
+keeps the per-weight work to integer ops and one multiply-add, with no conversion instruction (those run
+at a fraction of the FMA rate):
 
-- a code q becomes a float without a conversion instruction (those run at a fraction of the FMA rate):
-  the bits of (q | 0x4B000000) are the float 2**23 + q, and subtracting 2**23 + zero leaves q - zero
-  exactly (both are integers below 2**24);
+- a 4-bit code is shifted into the top of the mantissa of 1.0, the float 1 + q / 16, and a group's
+  sum(x * (q - z)) is 16 * sum(x * (1 + q / 16)) - (16 + z) * sum(x), the last sum shared by the tile's
+  columns: no subtraction a weight, so the products fuse into the sums' multiply-adds (Nsight Compute on
+  the H200: 5.4 M -> 2.0 M unfused FP32 instructions in gate_up, weight pass 323 -> 359 tok/s);
+- 5- to 8-bit codes: the bits of (q | 0x4B000000) are the float 2**23 + q, and subtracting 2**23 + zero
+  leaves q - zero exactly (both are integers below 2**24);
 - scales, zeros and offsets are per group: each K tile is cut into chunks of one group each
   ([BLOCK_N, NUM_CHUNKS, CHUNK]), the products are summed within a chunk and scaled once per chunk,
   so w = s * (q - z) + o costs s * sum(x * (q - z)) + o * sum(x) per group instead of per weight.
 
 Within each 32 columns byte j holds columns j and j + 16 (`quant_layout`), so a tile is two planes
 (lo: columns j, hi: columns j + 16) multiplied by two strided views of x. Results equal
-dequantize-then-matmul up to fp32 summation order.
+dequantize-then-matmul up to fp32 rounding (4-bit: 4e-7 relative on random weights, against 1e-7 with a
+subtraction a weight).
 
 The fused decoder's options are those of `kernels.gemv`: `gated` (x = [gate | up], the input is
 silu(gate) * up), `norm_weight` (the input is rms_norm(x) * norm_weight: the sums of squares ride along

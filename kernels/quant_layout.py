@@ -173,9 +173,10 @@ def tile_parts(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs,
                GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr, UNIT_CODES: tl.constexpr = False):
     """Columns k0 .. k0 + BLOCK_K of rows `offs_n` (k0 a multiple of BLOCK_K, itself of 32) as two planes,
     lo (columns j of each 32) and hi (j + 16), each cut into NC = BLOCK_K / 2 / CHUNK chunks of one group
-    (`group_chunks`): (w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k) with w = q - zero exactly,
-    fp32 [BN, NC, CHUNK], its group's scale and offset fp32 [BN, NC] (w * s + o is the weight), the planes'
-    columns [BK/2] and which are inside K.
+    (`group_chunks`): (w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k, z_lo, z_hi) with w = q - zero
+    exactly, fp32 [BN, NC, CHUNK], its group's scale and offset fp32 [BN, NC] (w * s + o is the weight), the
+    planes' columns [BK/2], which are inside K, and each group's 2**23 + zero [BN, NC]. With UNIT_CODES, 4-bit
+    codes come as w = 1 + q / 16 and z as 16 + zero (the GEMV's form: `quant_gemv`).
 
     NOTE: a code becomes a float without a conversion instruction (those run at a fraction of the FMA
     rate): the bits of (q | 0x4B000000) are the float 2**23 + q, and subtracting 2**23 + zero leaves

@@ -109,7 +109,7 @@ def test_append_with_qk_norm_fp8_cache_window_and_padding(splits):
 
 @pytest.mark.parametrize("cache_dtype", [None, FP8_DTYPE], ids=["bf16_cache", "fp8_cache"])
 def test_append_multi_head_attention(cache_dtype):
-    # one query head a KV head (Phi-3): the kernel's fp32 products instead of tensor-core dots
+    # one query head a KV head (Phi-3's MHA, head_dim 96): a 16-row query tile holding one head
     fused, fused_cache, plain, plain_cache = step_case(LENS, 3, 1, 96, BF16, cache_dtype=cache_dtype, splits=4)
     assert_same_cache(fused_cache, plain_cache, max_differing=2 if cache_dtype else 0)
     assert rel_err(fused, plain.double()) <= TOL[BF16]
