@@ -6,11 +6,14 @@ weight once. Reading 4-bit weights at full bandwidth leaves a few instructions a
 keeps the per-weight work to integer ops and one multiply-add, with no conversion instruction (those run
 at a fraction of the FMA rate):
 
-- a 4-bit code is shifted into the top of the mantissa of 1.0, the float 1 + q / 16, and a group's
-  sum(x * (q - z)) is 16 * sum(x * (1 + q / 16)) - (16 + z) * sum(x), the last sum shared by the tile's
-  columns: no subtraction a weight, so the products fuse into the sums' multiply-adds (Nsight Compute on
-  the H200: 5.4 M -> 2.0 M unfused FP32 instructions in gate_up, weight pass 323 -> 359 tok/s);
-- 5- to 8-bit codes: the bits of (q | 0x4B000000) are the float 2**23 + q, and subtracting 2**23 + zero
+- a 4-bit code against 16-bit activations is shifted into the top of the mantissa of 1.0, the float
+  1 + q / 16, and a group's sum(x * (q - z)) is 16 * sum(x * (1 + q / 16)) - (16 + z) * sum(x), the last
+  sum shared by the tile's columns: no subtraction a weight, so the products fuse into the sums'
+  multiply-adds (Nsight Compute on the H200: 5.4 M -> 2.0 M unfused FP32 instructions in gate_up, weight
+  pass 323 -> 359 tok/s). Its rounding (4e-7 relative on random weights, against 1e-7) vanishes in a
+  16-bit output; fp32 activations keep the subtraction, so their results stay exact to fp32 summation
+  (a tensor-parallel shard's logits match one process's to 1e-5);
+- other codes: the bits of (q | 0x4B000000) are the float 2**23 + q, and subtracting 2**23 + zero
   leaves q - zero exactly (both are integers below 2**24);
 - scales, zeros and offsets are per group: each K tile is cut into chunks of one group each
   ([BLOCK_N, NUM_CHUNKS, CHUNK]), the products are summed within a chunk and scaled once per chunk,
@@ -18,8 +21,7 @@ at a fraction of the FMA rate):
 
 Within each 32 columns byte j holds columns j and j + 16 (`quant_layout`), so a tile is two planes
 (lo: columns j, hi: columns j + 16) multiplied by two strided views of x. Results equal
-dequantize-then-matmul up to fp32 rounding (4-bit: 4e-7 relative on random weights, against 1e-7 with a
-subtraction a weight).
+dequantize-then-matmul up to fp32 rounding.
 
 The fused decoder's options are those of `kernels.gemv`: `gated` (x = [gate | up], the input is
 silu(gate) * up), `norm_weight` (the input is rms_norm(x) * norm_weight: the sums of squares ride along
@@ -55,7 +57,8 @@ def _quant_gemv_kernel(
     HAS_OFFSETS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    CHUNK: tl.constexpr, GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr, USE_PDL: tl.constexpr,
+    CHUNK: tl.constexpr, GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr, UNIT_CODES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     NUM_CHUNKS: tl.constexpr = BLOCK_K // 2 // CHUNK
     pdl_enter(USE_PDL)
@@ -67,7 +70,7 @@ def _quant_gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k, z_lo, z_hi = tile_parts(
             qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
-            ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, UNIT_CODES=True)
+            ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, UNIT_CODES)
         if HAS_PERM:
             cols_lo = tl.load(perm_ptr + cols_lo, mask=in_k, other=0)
             cols_hi = tl.load(perm_ptr + cols_hi, mask=in_k, other=0)
@@ -85,9 +88,9 @@ def _quant_gemv_kernel(
                 x_lo *= nw_lo
                 x_hi *= nw_hi
             part = (_scaled_chunk_sums(tl.reshape(x_lo, (NUM_CHUNKS, CHUNK)), w_lo, s_lo, o_lo, z_lo, HAS_OFFSETS,
-                                       BITS == 4)
+                                       UNIT_CODES)
                     + _scaled_chunk_sums(tl.reshape(x_hi, (NUM_CHUNKS, CHUNK)), w_hi, s_hi, o_hi, z_hi, HAS_OFFSETS,
-                                         BITS == 4))
+                                         UNIT_CODES))
             acc += tl.where(offs_m[:, None] == mi, part[None, :], 0.0)
     if NORM:
         acc = acc / tl.sqrt(squares / K + eps)[:, None]
@@ -157,6 +160,7 @@ def quant_gemv(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = 
         norm_weight if norm_weight is not None else x, residual if residual is not None else x, out, *args,
         num_rows, n, k, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), **consts,
         HAS_PERM=w.perm is not None, HAS_BIAS=bias is not None, GATED=gated, NORM=norm_weight is not None,
+        UNIT_CODES=w.bits == 4 and x.dtype != torch.float32,
         RESIDUAL=residual is not None, BLOCK_M=next_pow2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k, **chunking,
         **opts, **pdl_args(x.device))
     return out
