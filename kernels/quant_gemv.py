@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import cast, is_interpreter, next_pow2, pdl_args, pdl_enter
-from kernels.quant_layout import IntPackedWeight, kernel_args, tile_for, tile_parts
+from kernels.quant_layout import UNIT_SCALE, IntPackedWeight, kernel_args, tile_for, tile_parts
 
 MAX_QUANT_GEMV_ROWS = 16  # the most rows the kernel takes (the fused decoder options need it)
 # NOTE: past this many rows the tensor-core GEMM is faster even at decode sizes, so past it
@@ -113,7 +113,7 @@ def _scaled_chunk_sums(x, w, scale, offset, zero, HAS_OFFSETS: tl.constexpr, UNI
     if UNIT_CODES or HAS_OFFSETS:
         x_sums = tl.sum(x, axis=1)[None, :]
     if UNIT_CODES:
-        sums = sums * 16.0 - zero * x_sums
+        sums = sums * UNIT_SCALE - zero * x_sums
     sums = sums * scale
     if HAS_OFFSETS:
         sums += offset * x_sums

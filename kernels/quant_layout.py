@@ -164,6 +164,7 @@ def quant_matmul_ref(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | N
 
 FLOAT_MAGIC = tl.constexpr(0x4B000000)  # the bits of 2.0 ** 23: OR-ing in an integer below 2**23 adds it
 MAGIC_VALUE = tl.constexpr(8388608.0)  # 2.0 ** 23
+UNIT_SCALE = tl.constexpr(16.0)  # a nibble in the top of the mantissa of 1.0 is the float 1 + q / UNIT_SCALE
 
 
 @triton.jit
@@ -218,13 +219,13 @@ def tile_parts(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs,
                                          stride_s, ZERO, HAS_ZEROS, HAS_OFFSETS)
     if BITS == 4 and UNIT_CODES:
         # each nibble shifted into the top of the mantissa of 1.0: the float 1 + q / 16, and the zero's
-        # term 16 + z = (2**23 + z) - (2**23 - 16), both exact
+        # term 16 + z = (2**23 + z) - (2**23 - 16), both exact (16: UNIT_SCALE)
         w_lo = tl.reshape((((byte << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True),
                           (BLOCK_N, NUM_CHUNKS, CHUNK))
         w_hi = tl.reshape((((byte << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True),
                           (BLOCK_N, NUM_CHUNKS, CHUNK))
-        return w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k, z_lo - (MAGIC_VALUE - 16.0), \
-            z_hi - (MAGIC_VALUE - 16.0)
+        return w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k, z_lo - (MAGIC_VALUE - UNIT_SCALE), \
+            z_hi - (MAGIC_VALUE - UNIT_SCALE)
     w_lo = tl.reshape((q_lo | FLOAT_MAGIC).to(tl.float32, bitcast=True), (BLOCK_N, NUM_CHUNKS, CHUNK))
     w_hi = tl.reshape((q_hi | FLOAT_MAGIC).to(tl.float32, bitcast=True), (BLOCK_N, NUM_CHUNKS, CHUNK))
     w_lo = w_lo - z_lo[:, :, None]
