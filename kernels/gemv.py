@@ -58,11 +58,14 @@ def _gemv_kernel(
     RESIDUAL: tl.constexpr,  # the output is x @ w.T + residual
     USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    # NOTE: no earlier kernel writes the weight, so the first tile is read before the PDL wait: a program
+    # scheduled while the previous kernel's last ones still run has its first weights in flight meanwhile.
+    w = _load_w(w_rows, offs_k, K, mask_n, EVEN_K)
+    pdl_enter(USE_PDL)
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -74,33 +77,13 @@ def _gemv_kernel(
     sq1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
     sq2 = tl.zeros((BLOCK_K,), dtype=tl.float32)
     sq3 = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3 = _accumulate(acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3, w, x_ptr,
+                                                             nw_ptr, offs_k, K, stride_xm, M, GATED, NORM)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + offs_k
-        if EVEN_K:
-            w = tl.load(w_rows + k[None, :], mask=mask_n[:, None], other=0.0).to(tl.float32)
-        else:
-            mask_k = k < K
-            w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        if NORM:
-            nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        else:
-            nw = 1.0
-        # x rows are tiny and stay in L1/L2; the weight is read exactly once.
-        x0 = _load_x(x_ptr, k, K, GATED)
-        sq0 += x0 * x0
-        acc0 += w * (x0 * nw)[None, :]
-        if M > 1:
-            x1 = _load_x(x_ptr + stride_xm, k, K, GATED)
-            sq1 += x1 * x1
-            acc1 += w * (x1 * nw)[None, :]
-        if M > 2:
-            x2 = _load_x(x_ptr + 2 * stride_xm, k, K, GATED)
-            sq2 += x2 * x2
-            acc2 += w * (x2 * nw)[None, :]
-        if M > 3:
-            x3 = _load_x(x_ptr + 3 * stride_xm, k, K, GATED)
-            sq3 += x3 * x3
-            acc3 += w * (x3 * nw)[None, :]
+        w = _load_w(w_rows, k, K, mask_n, EVEN_K)
+        acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3 = _accumulate(acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3, w,
+                                                                 x_ptr, nw_ptr, k, K, stride_xm, M, GATED, NORM)
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -113,6 +96,41 @@ def _gemv_kernel(
     if M > 3:
         _store_row(y_ptr + 3 * stride_ym, r_ptr + 3 * stride_rm, acc3, sq3, K, eps, bias, offs_n, mask_n, NORM,
                    RESIDUAL)
+
+
+@triton.jit
+def _load_w(w_rows, k, K, mask_n, EVEN_K: tl.constexpr):
+    """Weight columns k of the program's rows, in fp32 ([BLOCK_N, BLOCK_K])."""
+    if EVEN_K:
+        return tl.load(w_rows + k[None, :], mask=mask_n[:, None], other=0.0).to(tl.float32)
+    return tl.load(w_rows + k[None, :], mask=mask_n[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _accumulate(acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3, w, x_ptr, nw_ptr, k, K, stride_xm, M: tl.constexpr,
+                GATED: tl.constexpr, NORM: tl.constexpr):
+    """Adds one K tile's products (w [BLOCK_N, BLOCK_K] times each row's x) and x's squares to the row sums."""
+    if NORM:
+        nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    else:
+        nw = 1.0
+    # x rows are tiny and stay in L1/L2; the weight is read exactly once.
+    x0 = _load_x(x_ptr, k, K, GATED)
+    sq0 += x0 * x0
+    acc0 += w * (x0 * nw)[None, :]
+    if M > 1:
+        x1 = _load_x(x_ptr + stride_xm, k, K, GATED)
+        sq1 += x1 * x1
+        acc1 += w * (x1 * nw)[None, :]
+    if M > 2:
+        x2 = _load_x(x_ptr + 2 * stride_xm, k, K, GATED)
+        sq2 += x2 * x2
+        acc2 += w * (x2 * nw)[None, :]
+    if M > 3:
+        x3 = _load_x(x_ptr + 3 * stride_xm, k, K, GATED)
+        sq3 += x3 * x3
+        acc3 += w * (x3 * nw)[None, :]
+    return acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3
 
 
 @triton.jit
