@@ -56,7 +56,6 @@ def _fp8_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS_PER_TILE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
@@ -65,26 +64,17 @@ def _fp8_gemv_kernel(
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     s_rows = s_ptr + (offs_n // GROUP_N) * stride_s
+    # NOTE: no earlier kernel writes the weight, so the first tile is read before the PDL wait: a program
+    # scheduled while the previous kernel's last ones still run has its first codes in flight meanwhile.
+    code = _load_codes(w_rows, offs_k, K, n_mask)
+    pdl_enter(USE_PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        in_k = k < K
-        code = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & in_k[None, :], other=0).to(tl.int32)
-        w = e4m3_bits_scaled(code)  # [BN, BK] value * 2**-120
-        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & in_k[None, :], other=0.0).to(tl.float32) * X_SCALE
-        if GROUPS_PER_TILE > 1:  # one row of x; the tile's scale blocks summed one by one
-            groups = k0 // GROUP_K + tl.arange(0, GROUPS_PER_TILE)
-            scales = tl.load(s_rows[:, None] + groups[None, :], mask=n_mask[:, None] & (groups * GROUP_K < K)[None, :],
-                             other=0.0) * W_SCALE  # [BN, G]
-            sums = tl.sum(tl.reshape(w * x, (BLOCK_N, GROUPS_PER_TILE, GROUP_K)), axis=2)  # [BN, G]
-            acc += tl.reshape(tl.sum(sums * scales, axis=1), (1, BLOCK_N))
-        else:
-            scale = tl.load(s_rows + k0 // GROUP_K, mask=n_mask, other=0.0) * W_SCALE  # [BN]
-            if BLOCK_M == 1:
-                part = tl.reshape(tl.sum(w * x, axis=1), (1, BLOCK_N))
-            else:
-                part = tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BM, BN]
-            acc += part * scale[None, :]
+    acc = _accumulate(acc, code, x_rows, s_rows, 0, offs_k, K, m_mask, n_mask, GROUP_K, BLOCK_M, BLOCK_N,
+                      GROUPS_PER_TILE)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        code = _load_codes(w_rows, k0 + offs_k, K, n_mask)
+        acc = _accumulate(acc, code, x_rows, s_rows, k0, offs_k, K, m_mask, n_mask, GROUP_K, BLOCK_M, BLOCK_N,
+                          GROUPS_PER_TILE)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y_mask = m_mask[:, None] & n_mask[None, :]
@@ -93,6 +83,33 @@ def _fp8_gemv_kernel(
                        other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], cast(acc, y_ptr.dtype.element_ty),
              mask=y_mask)
+
+
+@triton.jit
+def _load_codes(w_rows, k, K, n_mask):
+    """The e4m3 codes of columns k of the program's rows, as int32 [BN, BK]."""
+    return tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0).to(tl.int32)
+
+
+@triton.jit
+def _accumulate(acc, code, x_rows, s_rows, k0, offs_k, K, m_mask, n_mask, GROUP_K: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_TILE: tl.constexpr):
+    """acc [BM, BN] plus the K tile at k0: its codes [BN, BK] times x's columns, scaled by their blocks' scales."""
+    k = k0 + offs_k
+    w = e4m3_bits_scaled(code)  # [BN, BK] value * 2**-120
+    x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32) * X_SCALE
+    if GROUPS_PER_TILE > 1:  # one row of x; the tile's scale blocks summed one by one
+        groups = k0 // GROUP_K + tl.arange(0, GROUPS_PER_TILE)
+        scales = tl.load(s_rows[:, None] + groups[None, :], mask=n_mask[:, None] & (groups * GROUP_K < K)[None, :],
+                         other=0.0) * W_SCALE  # [BN, G]
+        sums = tl.sum(tl.reshape(w * x, (BLOCK_N, GROUPS_PER_TILE, GROUP_K)), axis=2)  # [BN, G]
+        return acc + tl.reshape(tl.sum(sums * scales, axis=1), (1, BLOCK_N))
+    scale = tl.load(s_rows + k0 // GROUP_K, mask=n_mask, other=0.0) * W_SCALE  # [BN]
+    if BLOCK_M == 1:
+        part = tl.reshape(tl.sum(w * x, axis=1), (1, BLOCK_N))
+    else:
+        part = tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BM, BN]
+    return acc + part * scale[None, :]
 
 
 def fp8_gemv_config(num_rows: int, n: int, is_k_blocked: bool = False) -> dict:
