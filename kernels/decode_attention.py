@@ -41,14 +41,18 @@ def _tanh(x):
 
 
 @triton.jit
-def _load_kv_tile(bt_row, k_base, v_base, n, hi, first, stride_k_block, stride_k_tok, stride_v_block, stride_v_tok,
-                  offs_d, d_mask, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr):
-    """K and V of context tokens [n, n + BLOCK_N), as stored ([BLOCK_N, BLOCK_D] each), and which are visible."""
+def _load_kv_tile(bt_row, first_blocks, k_base, v_base, n, lo, hi, first, stride_k_block, stride_k_tok,
+                  stride_v_block, stride_v_tok, offs_d, d_mask, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  USE_WINDOW: tl.constexpr):
+    """K and V of context tokens [n, n + BLOCK_N), as stored ([BLOCK_N, BLOCK_D] each), and which are visible.
+    The split's first tile (n == lo) takes its page numbers from `first_blocks` ([BLOCK_N], read earlier)."""
     offs_n = n + tl.arange(0, BLOCK_N)
     valid = offs_n < hi
     if USE_WINDOW:
         valid = valid & (offs_n >= first)
-    block = tl.load(bt_row + offs_n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    in_first = offs_n < lo + BLOCK_N
+    block = tl.load(bt_row + offs_n // PAGE_SIZE, mask=valid & ~in_first, other=0)
+    block = tl.where(in_first, first_blocks, block).to(tl.int64)
     in_page = offs_n % PAGE_SIZE
     kv_mask = valid[:, None] & d_mask[None, :]
     k = tl.load(k_base + (block * stride_k_block + in_page * stride_k_tok)[:, None] + offs_d[None, :], mask=kv_mask,
@@ -122,13 +126,18 @@ def _decode_split_kernel(
     EXACT_ROUND: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
+    # NOTE: the context's length and its pages come from the host, not from the previous kernel: read
+    # before the PDL wait (with the first tile's page numbers), they are at hand when the query is.
     seq_len = tl.load(seq_lens_ptr + seq)
     first, lo, hi, num_active = split_bounds(seq_len, window, split, NUM_SPLITS, BLOCK_N, USE_WINDOW)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    first_blocks = tl.load(bt_row + (lo + tl.arange(0, BLOCK_N)) // PAGE_SIZE, mask=lo + tl.arange(0, BLOCK_N) < hi,
+                           other=0)
+    pdl_enter(USE_PDL)
 
     offs_h = tl.arange(0, BLOCK_H)
     heads = kv_head * group + offs_h
@@ -141,7 +150,6 @@ def _decode_split_kernel(
     if FP16_DOTS:
         q, sm_scale = fp16_operand(q, sm_scale)
 
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_base = k_cache_ptr + kv_head * stride_k_head
     v_base = v_cache_ptr + kv_head * stride_v_head
     if APPEND:
@@ -159,8 +167,9 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
     for n in range(lo, hi, BLOCK_N):
-        k, v, valid = _load_kv_tile(bt_row, k_base, v_base, n, hi, first, stride_k_block, stride_k_tok, stride_v_block,
-                                    stride_v_tok, offs_d, d_mask, BLOCK_N, PAGE_SIZE, USE_WINDOW)
+        k, v, valid = _load_kv_tile(bt_row, first_blocks, k_base, v_base, n, lo, hi, first, stride_k_block,
+                                    stride_k_tok, stride_v_block, stride_v_tok, offs_d, d_mask, BLOCK_N, PAGE_SIZE,
+                                    USE_WINDOW)
         k = k.to(q.dtype)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_PREC, UPCAST)  # [BLOCK_H, BLOCK_N]
         if USE_SOFT_CAP:

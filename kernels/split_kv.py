@@ -61,10 +61,11 @@ def _decode_merge_kernel(
     USE_WINDOW: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    # NOTE: seq_lens comes from the host, not from the split kernel: read before the PDL wait
     _, _, _, num_active = split_bounds(tl.load(seq_lens_ptr + seq), window, 0, NUM_SPLITS, BLOCK_N, USE_WINDOW)
+    pdl_enter(USE_PDL)
     offs_s = tl.arange(0, NUM_SPLITS)
     s_mask = offs_s < num_active  # partials of empty splits are never written
     offs_d = tl.arange(0, BLOCK_D)
