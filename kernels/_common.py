@@ -147,9 +147,10 @@ def pdl_args(device: torch.device) -> dict:
 
 @triton.jit
 def pdl_enter(USE_PDL: tl.constexpr):
-    """First statement of a kernel launched with `pdl_args`: wait for the previous kernel's
-    results (and the end of its reads, before this kernel writes anything), then let the next
-    kernel be scheduled."""
+    """In a kernel launched with `pdl_args`, before its first read of anything the previous kernel
+    writes and before its first write: wait for the previous kernel's results (and the end of its
+    reads), then let the next kernel be scheduled. Reads of what no kernel of the step writes (weights,
+    the host's block tables) may come first, overlapping the previous kernel's tail."""
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -135,8 +135,8 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     first, lo, hi, num_active = split_bounds(seq_len, window, split, NUM_SPLITS, BLOCK_N, USE_WINDOW)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    first_blocks = tl.load(bt_row + (lo + tl.arange(0, BLOCK_N)) // PAGE_SIZE, mask=lo + tl.arange(0, BLOCK_N) < hi,
-                           other=0)
+    first_tile = lo + tl.arange(0, BLOCK_N)
+    first_blocks = tl.load(bt_row + first_tile // PAGE_SIZE, mask=first_tile < hi, other=0)
     pdl_enter(USE_PDL)
 
     offs_h = tl.arange(0, BLOCK_H)
