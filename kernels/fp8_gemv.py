@@ -135,7 +135,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n
              num_warps: int | None = None) -> torch.Tensor:
     """x [M, K] (a few rows; `fp8_linear` sends up to MAX_FP8_GEMV_ROWS) @ (weight * scale blocks).T
     + bias (+ residual) -> [M, N] in x's dtype, fp32 accumulation. `weight` e4m3 [N, K], `scale` float32 per [block_n, block_k] block.
-    Arguments are checked by `fp8_linear`, the entry point."""
+    Arguments are checked by `fp8_linear`, the entry point. `weight` is read before the PDL wait
+    (kernels/README.md)."""
     num_rows, k = x.shape
     n = weight.shape[0]
     if out is None:

@@ -194,7 +194,8 @@ def gemv(
     `gated`: the input is silu(gate) * up of x = [gate | up]. `norm_weight`: the input is
     rms_norm(x, eps) * norm_weight (the decoder's pre-projection norm, never rounded). `residual`:
     the output is x @ w.T + residual (the decoder's residual add). Tile arguments left None come
-    from `gemv_config`."""
+    from `gemv_config`. `w` is read before the PDL wait (kernels/README.md): a weight, not the output
+    of the kernel launched just before."""
     require(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1] * (2 if gated else 1),
             lambda: f"x [M, {'2K' if gated else 'K'}] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
     num_rows = x.shape[0]
