@@ -62,9 +62,11 @@ def _gemv_kernel(
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-    # NOTE: no earlier kernel writes the weight, so the first tile is read before the PDL wait: a program
-    # scheduled while the previous kernel's last ones still run has its first weights in flight meanwhile.
+    # NOTE: no earlier kernel writes the weight, so the first two tiles are read before the PDL wait: a
+    # program scheduled while the previous kernel's last ones still run has its first weights in flight
+    # meanwhile. (The second is masked by K: it may lie past the end; zeros add nothing.)
     w = _load_w(w_rows, offs_k, K, mask_n, EVEN_K)
+    w_second = _load_w(w_rows, BLOCK_K + offs_k, K, mask_n, False)
     pdl_enter(USE_PDL)
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -79,7 +81,10 @@ def _gemv_kernel(
     sq3 = tl.zeros((BLOCK_K,), dtype=tl.float32)
     acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3 = _accumulate(acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3, w, x_ptr,
                                                              nw_ptr, offs_k, K, stride_xm, M, GATED, NORM)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3 = _accumulate(acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3, w_second,
+                                                             x_ptr, nw_ptr, BLOCK_K + offs_k, K, stride_xm, M,
+                                                             GATED, NORM)
+    for k0 in range(2 * BLOCK_K, K, BLOCK_K):
         k = k0 + offs_k
         w = _load_w(w_rows, k, K, mask_n, EVEN_K)
         acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3 = _accumulate(acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3, w,

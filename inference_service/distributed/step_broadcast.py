@@ -17,7 +17,7 @@ so a replay is one header down the pipe and `graph.replay()` on each rank:
 
     rank 0                                      rank r
     GRAPH(capture, B) -> pipe  ------------->   capture B: broadcast into its buffers, forward,
-    capture B: broadcast its buffers, forward,             broadcast hidden, its logits columns
+    capture B: broadcast its buffers, forward,             its logits columns
                logits (gathered)
     GRAPH(replay, B)  -> pipe  ------------->   replay B
     replay B (the collectives meet inside)
@@ -100,7 +100,9 @@ class DriverModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self._is_in_graph_step:
             self._send(StepHeader(Op.LOGITS, hidden.shape[0]))
-        self._group.broadcast(hidden.contiguous())
+            self._group.broadcast(hidden.contiguous())
+        # NOTE: a decode graph takes the logits of every row of its forward, whose output is the same on every
+        # rank (the all-reduces give every rank the same sums): the workers use their own, no broadcast.
         return self._model.compute_logits(hidden)
 
     @contextmanager
@@ -205,7 +207,6 @@ class WorkerGraphs:
         self.query_start_loc = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros((max_batch_size, block_table_width), dtype=torch.int32, device=dev)
-        self.hidden = torch.zeros((max_batch_size, loop.model.config.hidden_size), dtype=loop.dtype, device=dev)
         self.graphs: dict[int, StepGraph] = {}
         self._pool = new_graph_pool(dev)
 
@@ -229,9 +230,8 @@ class WorkerGraphs:
 
     def _body(self, size: int, caches, metadata: AttentionMetadata) -> None:
         """Rank 0's graph body on this rank's shard: the step's inputs broadcast into the buffers, the
-        forward, then the hidden rows rank 0 computes logits of (its own, which it broadcasts)."""
+        forward, then this rank's columns of the logits of every row (gathered on rank 0)."""
         input_ids, positions = self.input_ids[:size], self.positions[:size]
         for tensor in _step_tensors(input_ids, positions, metadata):
             self.loop.group.broadcast(tensor)
-        self.loop.model(input_ids, positions, caches, metadata)
-        self.loop.model.compute_logits(self.loop.group.broadcast(self.hidden[:size]))
+        self.loop.model.compute_logits(self.loop.model(input_ids, positions, caches, metadata))

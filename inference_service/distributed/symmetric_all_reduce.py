@@ -1,10 +1,10 @@
 """`SymmetricAllReduce`: the small all-reduces of a decode step through PyTorch symmetric memory.
 
 A decode step of a TP2 Llama-3-8B sums 65 activations of a few KiB each; inside a CUDA graph on two H200s
-NCCL takes 16-24 us for each (bench/gpu_tp.py's allreduce case). PyTorch's one-shot all-reduce
-(`torch.ops.symm_mem.one_shot_all_reduce_copy`) copies the input into a buffer every rank maps, then each
-rank reads its peers' buffers over NVLink and sums them in one kernel, with no ring and no proxy thread:
-about 7 us, and capturable in a CUDA graph.
+NCCL takes 16-24 us for each (bench/gpu_tp.py's allreduce case), PyTorch's one-shot all-reduce
+(`torch.ops.symm_mem.one_shot_all_reduce_copy`: a barrier, a copy, the peers' reads, a barrier) ~7 us.
+Here every rank maps its peers' buffers (symmetric memory) and `kernels.all_reduce` does the sum in one
+kernel with one flag exchange and no reads over NVLink, launched like the step's other kernels (programmatic dependent launch).
 It is the latency-bound regime only: messages above `max_bytes` (prefill) go to NCCL, whose bandwidth wins.
 The engine uses it where it sets up for every rank (CUDA, peer access between the group's GPUs) unless
 `--disable-custom-all-reduce`; anything else falls back to NCCL with a log line.
@@ -38,11 +38,21 @@ class SymmetricAllReduce:
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
+        from kernels.all_reduce import OneShotAllReduce
+
         self.max_bytes = max_bytes
-        self.group_name = dist.group.WORLD.group_name
-        # One byte buffer viewed per dtype: every rank allocates the same size, in the same order.
-        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(self.buffer, self.group_name)
+        group_name = dist.group.WORLD.group_name
+        # Every rank allocates the same sizes in the same order, so a tensor's offset in its rank's mapping
+        # is the same on every rank.
+        data = symm_mem.empty(OneShotAllReduce.buffer_bytes(max_bytes, dist.get_world_size()), dtype=torch.uint8, device=device)
+        flags = symm_mem.empty(OneShotAllReduce.flag_count(max_bytes, dist.get_world_size()), dtype=torch.int32,
+                               device=device)
+        flags.zero_()
+        peer_ptrs = [_peer_ptrs(t, symm_mem.rendezvous(t, group_name)) for t in (data, flags)]
+        self._buffers = (data, flags)  # the mappings live as long as these tensors
+        self._reduce = OneShotAllReduce(dist.get_rank(), dist.get_world_size(), *peer_ptrs, max_bytes, device)
+        torch.cuda.synchronize(device)
+        dist.barrier()  # no rank's first flag reaches a peer before that peer zeroed its flags
 
     @classmethod
     def try_create(cls, device: torch.device, world_size: int) -> SymmetricAllReduce | None:
@@ -68,12 +78,16 @@ class SymmetricAllReduce:
 
     def can_reduce(self, tensor: torch.Tensor) -> bool:
         num_bytes = tensor.numel() * tensor.element_size()
-        # NOTE: the kernel moves 16-byte vectors: the size must be a multiple of that.
+        # NOTE: a multiple of 16 bytes keeps every rank's part of the buffer 16-byte aligned (vector loads).
         return (tensor.dtype in _DTYPES and tensor.is_contiguous() and num_bytes <= self.max_bytes
                 and num_bytes % 16 == 0)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of `tensor` (same shape), in a new tensor; `tensor` is left as it was."""
-        symm_input = self.buffer.view(tensor.dtype)[: tensor.numel()]
-        summed = torch.ops.symm_mem.one_shot_all_reduce_copy(symm_input, tensor.view(-1), "sum", self.group_name)
-        return summed.view(tensor.shape)
+        return self._reduce(tensor)
+
+
+def _peer_ptrs(tensor: torch.Tensor, handle) -> list[int]:
+    """`tensor`'s address in every rank's mapping, in rank order."""
+    offset = tensor.data_ptr() - handle.buffer_ptrs[handle.rank]
+    return [base + offset for base in handle.buffer_ptrs]

@@ -1,0 +1,125 @@
+"""One-shot all-reduce of a decode step's small activations between the GPUs of one host.
+
+Every rank maps every other rank's buffer (PyTorch symmetric memory, peer access over NVLink). A call
+stores its input into its slot of each peer's buffer, tells each peer so with one flag store, waits for
+the peers' flags, then sums the slots of its own buffer in rank order (the same bits on every rank).
+
+Against `torch.ops.symm_mem.one_shot_all_reduce_copy` (a barrier before and one after, no PDL):
+- one flag exchange a call, not two: calls alternate between two halves of the buffers, so a rank
+  writes a peer's half again only after that peer has flagged the next call, which it does only once it
+  has finished reading the half;
+- no reads over NVLink: the writes to the peers are posted, the sum reads local memory;
+- launched with programmatic dependent launch like the step's other kernels, so neither its launch
+  nor the next GEMV's is a gap in the step.
+
+Flags count calls (per program, in device memory the kernel itself advances): nothing is reset, so
+CUDA graph replays need no host work, and a peer that is already a call ahead is seen as arrived.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import cast, is_interpreter, pdl_args, pdl_enter, require
+
+BLOCK = 1024  # elements a program moves: 2 KiB of bf16, one 16-byte vector per thread of 4 warps
+MIN_ELEMENT_SIZE = 2  # bytes: bf16, fp16 (and fp32)
+
+
+@triton.jit
+def _one_shot_all_reduce_kernel(
+    x_ptr,  # [N] this rank's addend
+    y_ptr,  # [N] the sum
+    data_ptrs,  # [WORLD] int64: each rank's buffer [2 halves, WORLD slots, `slot_elems`] of x's dtype
+    flag_ptrs,  # [WORLD] int64: each rank's flags, int32 [num_programs, WORLD]
+    calls_ptr,  # [num_programs] int32: this rank's calls so far, per program
+    N,
+    slot_elems,
+    rank,
+    WORLD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    dtype = y_ptr.dtype.element_ty
+    pdl_enter(USE_PDL)
+    call = tl.load(calls_ptr + pid) + 1
+    tl.store(calls_ptr + pid, call)
+    half = (call % 2) * WORLD
+    x = tl.load(x_ptr + offs, mask=mask)
+    # Pushed, not pulled: stores to a peer are posted, and each rank then sums from its own memory; reading
+    # the peers' buffers instead would add a round trip over NVLink.
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            peer_data = tl.multiple_of(tl.load(data_ptrs + peer).to(tl.pointer_type(dtype)), 16)
+            tl.store(peer_data + (half + rank) * slot_elems + offs, x, mask=mask)
+    # NOTE: every thread's stores are done before one thread's release store publishes them.
+    tl.debug_barrier()
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            peer_flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(peer_flags + pid * WORLD + rank, call, sem="release", scope="sys")
+    own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            # A peer a call ahead has flagged call + 1 over call: it arrived (and wrote the other half).
+            arrived = tl.atomic_add(own_flags + pid * WORLD + peer, 0, sem="acquire", scope="sys")
+            while arrived - call < 0:
+                arrived = tl.atomic_add(own_flags + pid * WORLD + peer, 0, sem="acquire", scope="sys")
+    tl.debug_barrier()
+    own_data = tl.multiple_of(tl.load(data_ptrs + rank).to(tl.pointer_type(dtype)), 16)
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for source in tl.static_range(WORLD):
+        if source == rank:
+            total += x.to(tl.float32)
+        else:
+            # .cv: another GPU wrote it since this SM may last have cached the line
+            total += tl.load(own_data + (half + source) * slot_elems + offs, mask=mask, other=0.0,
+                             cache_modifier=".cv").to(tl.float32)
+    tl.store(y_ptr + offs, cast(total, dtype), mask=mask)
+
+
+class OneShotAllReduce:
+    """The kernel's state on one rank: device tensors of every rank's buffer and flag addresses, and this
+    rank's call counts. Every rank builds it with the same `max_bytes` and calls it with the same tensors'
+    sizes in the same order (as any collective)."""
+
+    def __init__(self, rank: int, world_size: int, data_ptrs: list[int], flag_ptrs: list[int], max_bytes: int,
+                 device: torch.device):
+        require(len(data_ptrs) == len(flag_ptrs) == world_size and 0 <= rank < world_size,
+                lambda: f"rank {rank} of {world_size} with {len(data_ptrs)} buffers and {len(flag_ptrs)} flag arrays")
+        self.rank, self.world_size, self.max_bytes = rank, world_size, max_bytes
+        self.data_ptrs = torch.tensor(data_ptrs, dtype=torch.int64, device=device)
+        self.flag_ptrs = torch.tensor(flag_ptrs, dtype=torch.int64, device=device)
+        self.calls = torch.zeros(self.max_programs(max_bytes), dtype=torch.int32, device=device)
+
+    @staticmethod
+    def max_programs(max_bytes: int) -> int:
+        return triton.cdiv(max_bytes // MIN_ELEMENT_SIZE, BLOCK)
+
+    @staticmethod
+    def buffer_bytes(max_bytes: int, world_size: int) -> int:
+        """Bytes of the data buffer every rank maps: two halves of one `max_bytes` slot a rank."""
+        return 2 * world_size * max_bytes
+
+    @staticmethod
+    def flag_count(max_bytes: int, world_size: int) -> int:
+        """int32 flags every rank maps, zeroed on every rank before any rank's first call."""
+        return OneShotAllReduce.max_programs(max_bytes) * world_size
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum over ranks of `x` (contiguous, at most `max_bytes`), in `out` or a new tensor."""
+        require(x.is_contiguous() and x.element_size() >= MIN_ELEMENT_SIZE
+                and x.numel() * x.element_size() <= self.max_bytes,
+                lambda: f"x: contiguous 16- or 32-bit, at most {self.max_bytes} bytes; got {tuple(x.shape)} {x.dtype}")
+        out = torch.empty_like(x) if out is None else out
+        num_elems = x.numel()
+        opts = {} if is_interpreter() else {"num_warps": 4}
+        _one_shot_all_reduce_kernel[(triton.cdiv(num_elems, BLOCK),)](
+            x, out, self.data_ptrs, self.flag_ptrs, self.calls, num_elems, self.max_bytes // x.element_size(),
+            self.rank, WORLD=self.world_size, BLOCK=BLOCK, **opts, **pdl_args(x.device))
+        return out
