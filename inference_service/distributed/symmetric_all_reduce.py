@@ -4,7 +4,8 @@ A decode step of a TP2 Llama-3-8B sums 65 activations of a few KiB each; inside 
 NCCL takes 16-24 us for each (bench/gpu_tp.py's allreduce case), PyTorch's one-shot all-reduce
 (`torch.ops.symm_mem.one_shot_all_reduce_copy`: a barrier, a copy, the peers' reads, a barrier) ~7 us.
 Here every rank maps its peers' buffers (symmetric memory) and `kernels.all_reduce` does the sum in one
-kernel with one flag exchange and no reads over NVLink, launched like the step's other kernels (programmatic dependent launch).
+kernel with one flag exchange and no reads over NVLink, launched like the step's other kernels
+(programmatic dependent launch): 161 of them in a graph on two H100s 0.82 ms, NCCL's 3.35 (2026-11-27).
 It is the latency-bound regime only: messages above `max_bytes` (prefill) go to NCCL, whose bandwidth wins.
 The engine uses it where it sets up for every rank (CUDA, peer access between the group's GPUs) unless
 `--disable-custom-all-reduce`; anything else falls back to NCCL with a log line.
@@ -44,13 +45,13 @@ class SymmetricAllReduce:
         group_name = dist.group.WORLD.group_name
         # Every rank allocates the same sizes in the same order, so a tensor's offset in its rank's mapping
         # is the same on every rank.
-        data = symm_mem.empty(OneShotAllReduce.buffer_bytes(max_bytes, dist.get_world_size()), dtype=torch.uint8, device=device)
-        flags = symm_mem.empty(OneShotAllReduce.flag_count(max_bytes, dist.get_world_size()), dtype=torch.int32,
-                               device=device)
+        world_size = dist.get_world_size()
+        data = symm_mem.empty(OneShotAllReduce.buffer_bytes(max_bytes, world_size), dtype=torch.uint8, device=device)
+        flags = symm_mem.empty(OneShotAllReduce.flag_count(max_bytes, world_size), dtype=torch.int32, device=device)
         flags.zero_()
         peer_ptrs = [_peer_ptrs(t, symm_mem.rendezvous(t, group_name)) for t in (data, flags)]
         self._buffers = (data, flags)  # the mappings live as long as these tensors
-        self._reduce = OneShotAllReduce(dist.get_rank(), dist.get_world_size(), *peer_ptrs, max_bytes, device)
+        self._reduce = OneShotAllReduce(dist.get_rank(), world_size, *peer_ptrs, max_bytes, device)
         torch.cuda.synchronize(device)
         dist.barrier()  # no rank's first flag reaches a peer before that peer zeroed its flags
 
