@@ -1,4 +1,4 @@
-"""One-shot all-reduce of a decode step's small activations between the GPUs of one host.
+"""One-shot all-reduce (and broadcast) of a decode step's small tensors between the GPUs of one host.
 
 Every rank maps every other rank's buffer (PyTorch symmetric memory, peer access over NVLink). A call
 stores its input into its slot of each peer's buffer, tells each peer so with one flag store, waits for
@@ -14,6 +14,7 @@ Against `torch.ops.symm_mem.one_shot_all_reduce_copy` (a barrier before and one 
 
 Flags count calls (per program, in device memory the kernel itself advances): nothing is reset, so
 CUDA graph replays need no host work, and a peer that is already a call ahead is seen as arrived.
+A broadcast is the same call with rank 0 the only one pushing (its tensor moved as 32-bit words).
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ MIN_ELEMENT_SIZE = 2  # bytes: bf16, fp16 (and fp32)
 
 
 @triton.jit
-def _one_shot_all_reduce_kernel(
-    x_ptr,  # [N] this rank's addend
-    y_ptr,  # [N] the sum
+def _one_shot_kernel(
+    x_ptr,  # [N] this rank's addend (all-reduce), or rank 0's data (broadcast)
+    y_ptr,  # [N] the sum, or rank 0's data
     data_ptrs,  # [WORLD] int64: each rank's buffer [2 halves, WORLD slots, `slot_elems`] of x's dtype
     flag_ptrs,  # [WORLD] int64: each rank's flags, int32 [num_programs, WORLD]
     calls_ptr,  # [num_programs] int32: this rank's calls so far, per program
@@ -40,6 +41,7 @@ def _one_shot_all_reduce_kernel(
     rank,
     WORLD: tl.constexpr,
     BLOCK: tl.constexpr,
+    IS_BROADCAST: tl.constexpr,  # rank 0 pushes, every rank's y is rank 0's x; else every rank pushes and sums
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -51,14 +53,17 @@ def _one_shot_all_reduce_kernel(
     tl.store(calls_ptr + pid, call)
     half = (call % 2) * WORLD
     x = tl.load(x_ptr + offs, mask=mask)
-    # Pushed, not pulled: stores to a peer are posted, and each rank then sums from its own memory; reading
+    # Pushed, not pulled: stores to a peer are posted, and each rank then reads its own memory; reading
     # the peers' buffers instead would add a round trip over NVLink.
-    for peer in tl.static_range(WORLD):
-        if peer != rank:
-            peer_data = tl.multiple_of(tl.load(data_ptrs + peer).to(tl.pointer_type(dtype)), 16)
-            tl.store(peer_data + (half + rank) * slot_elems + offs, x, mask=mask)
+    if not IS_BROADCAST or rank == 0:
+        for peer in tl.static_range(WORLD):
+            if peer != rank:
+                peer_data = tl.multiple_of(tl.load(data_ptrs + peer).to(tl.pointer_type(dtype)), 16)
+                tl.store(peer_data + (half + rank) * slot_elems + offs, x, mask=mask)
     # NOTE: every thread's stores are done before one thread's release store publishes them.
     tl.debug_barrier()
+    # Every rank flags every other, in a broadcast too: rank 0 may write a half again only once the others
+    # have flagged the next call, that is, have read the half.
     for peer in tl.static_range(WORLD):
         if peer != rank:
             peer_flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32))
@@ -72,19 +77,25 @@ def _one_shot_all_reduce_kernel(
                 arrived = tl.atomic_add(own_flags + pid * WORLD + peer, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
     own_data = tl.multiple_of(tl.load(data_ptrs + rank).to(tl.pointer_type(dtype)), 16)
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for source in tl.static_range(WORLD):
-        if source == rank:
-            total += x.to(tl.float32)
-        else:
-            # .cv: another GPU wrote it since this SM may last have cached the line
-            total += tl.load(own_data + (half + source) * slot_elems + offs, mask=mask, other=0.0,
-                             cache_modifier=".cv").to(tl.float32)
-    tl.store(y_ptr + offs, cast(total, dtype), mask=mask)
+    # .cv: another GPU wrote the slots since this SM may last have cached their lines
+    if IS_BROADCAST:
+        if rank != 0:
+            tl.store(y_ptr + offs, tl.load(own_data + half * slot_elems + offs, mask=mask, cache_modifier=".cv"),
+                     mask=mask)
+    else:
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for source in tl.static_range(WORLD):
+            if source == rank:
+                total += x.to(tl.float32)
+            else:
+                total += tl.load(own_data + (half + source) * slot_elems + offs, mask=mask, other=0.0,
+                                 cache_modifier=".cv").to(tl.float32)
+        tl.store(y_ptr + offs, cast(total, dtype), mask=mask)
 
 
 class OneShotAllReduce:
-    """The kernel's state on one rank: device tensors of every rank's buffer and flag addresses, and this
+    """All-reduces (`__call__`) and broadcasts from rank 0 (`broadcast`) of small tensors. The kernel's state
+    on one rank: device tensors of every rank's buffer and flag addresses, and this
     rank's call counts. Every rank builds it with the same `max_bytes` and calls it with the same tensors'
     sizes in the same order (as any collective)."""
 
@@ -113,13 +124,30 @@ class OneShotAllReduce:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The sum over ranks of `x` (contiguous, at most `max_bytes`), in `out` or a new tensor."""
-        require(x.is_contiguous() and x.element_size() >= MIN_ELEMENT_SIZE
+        require(x.is_contiguous() and x.element_size() >= MIN_ELEMENT_SIZE and x.is_floating_point()
                 and x.numel() * x.element_size() <= self.max_bytes,
-                lambda: f"x: contiguous 16- or 32-bit, at most {self.max_bytes} bytes; got {tuple(x.shape)} {x.dtype}")
+                lambda: f"x: contiguous 16- or 32-bit floats, at most {self.max_bytes} bytes; got {tuple(x.shape)} "
+                        f"{x.dtype}")
         out = torch.empty_like(x) if out is None else out
-        num_elems = x.numel()
-        opts = {} if is_interpreter() else {"num_warps": 4}
-        _one_shot_all_reduce_kernel[(triton.cdiv(num_elems, BLOCK),)](
-            x, out, self.data_ptrs, self.flag_ptrs, self.calls, num_elems, self.max_bytes // x.element_size(),
-            self.rank, WORLD=self.world_size, BLOCK=BLOCK, **opts, **pdl_args(x.device))
+        self._launch(x, out, is_broadcast=False)
         return out
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` into every rank's (same shape and dtype: contiguous, a whole number of 32-bit
+        words, at most `max_bytes`), in place; returns it."""
+        num_bytes = tensor.numel() * tensor.element_size()
+        require(tensor.is_contiguous() and num_bytes % 4 == 0 and num_bytes <= self.max_bytes,
+                lambda: f"tensor: contiguous, whole 32-bit words, at most {self.max_bytes} bytes; got "
+                        f"{tuple(tensor.shape)} {tensor.dtype}")
+        words = tensor.view(-1).view(torch.int32)  # any dtype: moved as words
+        self._launch(words, words, is_broadcast=True)
+        return tensor
+
+    def _launch(self, x: torch.Tensor, out: torch.Tensor, is_broadcast: bool) -> None:
+        num_elems = x.numel()
+        if num_elems == 0:
+            return  # no programs, on every rank alike
+        opts = {} if is_interpreter() else {"num_warps": 4}
+        _one_shot_kernel[(triton.cdiv(num_elems, BLOCK),)](
+            x, out, self.data_ptrs, self.flag_ptrs, self.calls, num_elems, self.max_bytes // x.element_size(),
+            self.rank, WORLD=self.world_size, BLOCK=BLOCK, IS_BROADCAST=is_broadcast, **opts, **pdl_args(x.device))

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from inference_service.distributed.symmetric_all_reduce import SymmetricAllReduce
+from inference_service.distributed.symmetric_collectives import SymmetricCollectives
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -25,7 +25,7 @@ class TensorParallelGroup:
     rank: int
     world_size: int
     # The latency path for a decode step's small all-reduces (CUDA with peer access); None = NCCL/gloo only.
-    symmetric: SymmetricAllReduce | None = field(default=None, compare=False)
+    symmetric: SymmetricCollectives | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -56,6 +56,8 @@ class TensorParallelGroup:
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's `tensor` into every rank's (same shape and dtype), in place; returns it."""
+        if self.symmetric is not None and self.symmetric.can_broadcast(tensor):
+            return self.symmetric.broadcast(tensor)
         dist.broadcast(tensor, src=0)
         return tensor
 
@@ -78,7 +80,7 @@ def init_group(rank: int, world_size: int, init_method: str, device: torch.devic
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s),
                             device_id=device if backend == "nccl" else None)
-    symmetric = SymmetricAllReduce.try_create(device, world_size) if use_symmetric_memory else None
+    symmetric = SymmetricCollectives.try_create(device, world_size) if use_symmetric_memory else None
     return TensorParallelGroup(rank, world_size, symmetric)
 
 

@@ -31,12 +31,13 @@ class SimulatedGroup:
         """Where call number `call` (1, 2, ...) of rank `source` puts its addend in rank `owner`'s buffer."""
         return self.data[owner].view(dtype).view(2, self.world_size, -1)[call % 2, source]
 
-    def peer_arrives(self, peer: int, call: int, x: torch.Tensor, num_programs: int) -> None:
-        """What `peer`'s kernel would have done by its flag stores: its addend and its flags in every other
-        rank's buffer and flags."""
+    def peer_arrives(self, peer: int, call: int, x: torch.Tensor | None, num_programs: int) -> None:
+        """What `peer`'s kernel would have done by its flag stores: its data (if it pushes: None for a
+        broadcast's receiver) and its flags in every other rank's buffer and flags."""
         for rank in range(self.world_size):
             if rank != peer:
-                self.slot(rank, peer, call, x.dtype)[: x.numel()] = x.view(-1)
+                if x is not None:
+                    self.slot(rank, peer, call, x.dtype)[: x.numel()] = x.view(-1)
                 self.flags[rank].view(-1, self.world_size)[:num_programs, peer] = call
 
 
@@ -90,9 +91,49 @@ def test_a_peer_already_a_call_ahead_counts_as_arrived():
     assert torch.equal(out, (x0.float() + x1.float()).to(torch.bfloat16))
 
 
+def test_broadcast_root_pushes_to_every_peer_and_keeps_its_tensor():
+    group = SimulatedGroup(world_size=3)
+    slots = torch.arange(1500, dtype=torch.int64) * 3_000_000_007  # int64 beyond 32 bits: moved as words
+    for peer in (1, 2):
+        group.peer_arrives(peer, call=1, x=None, num_programs=3)  # 3000 words: three programs
+
+    assert group.reducer(rank=0).broadcast(slots) is slots
+
+    assert torch.equal(slots, torch.arange(1500, dtype=torch.int64) * 3_000_000_007)
+    for peer in (1, 2):
+        assert torch.equal(group.slot(peer, 0, 1, torch.int64)[:1500], slots)
+        assert group.flags[peer].view(-1, 3)[:3, 0].tolist() == [1, 1, 1]
+
+
+def test_broadcast_receiver_takes_rank_0s_data_and_counts_calls_with_the_all_reduces():
+    group = SimulatedGroup(world_size=2)
+    rank1 = group.reducer(rank=1)
+    x0, x1 = _addends(2, 16, torch.float32, seed=3)
+    group.peer_arrives(0, call=1, x=x0, num_programs=1)
+    rank1(x1)  # an all-reduce: call 1 of program 0
+    root_tokens = torch.tensor([7, -1, 2**40, 5], dtype=torch.int64)
+    group.peer_arrives(0, call=2, x=root_tokens, num_programs=1)  # rank 0 pushes into slot 0 of half 0
+    tokens = torch.zeros(4, dtype=torch.int64)
+
+    rank1.broadcast(tokens)
+
+    assert tokens.tolist() == [7, -1, 2**40, 5]
+    assert rank1.calls[0].item() == 2
+    assert group.flags[0].view(-1, 2)[0, 1].item() == 2
+
+
+def test_an_empty_tensor_is_no_call():
+    reducer = SimulatedGroup(world_size=2).reducer(rank=1)
+    reducer.broadcast(torch.zeros(0, dtype=torch.int64))
+    reducer(torch.zeros(0, dtype=torch.bfloat16))
+    assert reducer.calls.eq(0).all()  # nothing waited for a peer: the peers skip it alike
+
+
 def test_rejects_what_the_buffer_cannot_hold():
     reducer = SimulatedGroup(world_size=2).reducer(rank=0)
     with pytest.raises(ValueError, match="at most 16384 bytes"):
         reducer(torch.zeros(MAX_BYTES // 2 + 1, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="16- or 32-bit"):
-        reducer(torch.zeros(16, dtype=torch.int8))
+    with pytest.raises(ValueError, match="16- or 32-bit floats"):
+        reducer(torch.zeros(16, dtype=torch.int32))
+    with pytest.raises(ValueError, match="whole 32-bit words"):
+        reducer.broadcast(torch.zeros(3, dtype=torch.int16))

@@ -1,4 +1,4 @@
-"""`SymmetricAllReduce`: the small all-reduces of a decode step through PyTorch symmetric memory.
+"""`SymmetricCollectives`: a decode step's small all-reduces and broadcasts through PyTorch symmetric memory.
 
 A decode step of a TP2 Llama-3-8B sums 65 activations of a few KiB each; inside a CUDA graph on two H200s
 NCCL takes 16-24 us for each (bench/gpu_tp.py's allreduce case), PyTorch's one-shot all-reduce
@@ -6,6 +6,8 @@ NCCL takes 16-24 us for each (bench/gpu_tp.py's allreduce case), PyTorch's one-s
 Here every rank maps its peers' buffers (symmetric memory) and `kernels.all_reduce` does the sum in one
 kernel with one flag exchange and no reads over NVLink, launched like the step's other kernels
 (programmatic dependent launch): 161 of them in a graph on two H100s 0.82 ms, NCCL's 3.35 (2026-11-27).
+The step's inputs (token ids, positions, slots, block tables) reach the other ranks through the same
+kernel's broadcast, where NCCL took ~6 us a tensor and broke the chain of early launches.
 It is the latency-bound regime only: messages above `max_bytes` (prefill) go to NCCL, whose bandwidth wins.
 The engine uses it where it sets up for every rank (CUDA, peer access between the group's GPUs) unless
 `--disable-custom-all-reduce`; anything else falls back to NCCL with a log line.
@@ -32,8 +34,8 @@ def missing_peer_access(own: int, devices: list[int], can_access: Callable[[int,
     return None
 
 
-class SymmetricAllReduce:
-    """Sums small tensors over the default process group's ranks through one symmetric buffer."""
+class SymmetricCollectives:
+    """Sums and broadcasts small tensors over the default process group's ranks through symmetric buffers."""
 
     def __init__(self, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES):
         import torch.distributed as dist
@@ -51,12 +53,12 @@ class SymmetricAllReduce:
         flags.zero_()
         peer_ptrs = [_peer_ptrs(t, symm_mem.rendezvous(t, group_name)) for t in (data, flags)]
         self._buffers = (data, flags)  # the mappings live as long as these tensors
-        self._reduce = OneShotAllReduce(dist.get_rank(), world_size, *peer_ptrs, max_bytes, device)
+        self._kernel = OneShotAllReduce(dist.get_rank(), world_size, *peer_ptrs, max_bytes, device)
         torch.cuda.synchronize(device)
         dist.barrier()  # no rank's first flag reaches a peer before that peer zeroed its flags
 
     @classmethod
-    def try_create(cls, device: torch.device, world_size: int) -> SymmetricAllReduce | None:
+    def try_create(cls, device: torch.device, world_size: int) -> SymmetricCollectives | None:
         """The fast path where it can work for every rank, else None (NCCL does every all-reduce). Every rank
         of the group calls it: they decide together (one rank alone in the rendezvous would wait forever)."""
         if device.type != "cuda" or world_size < 2:
@@ -74,7 +76,7 @@ class SymmetricAllReduce:
                 raise RuntimeError(problem)
             return cls(device)
         except Exception as e:  # noqa: BLE001 - any failure here means "use NCCL", said once
-            logger.warning("symmetric-memory all-reduce unavailable (%s); NCCL does every all-reduce", e)
+            logger.warning("symmetric-memory collectives unavailable (%s); NCCL does every all-reduce and broadcast", e)
             return None
 
     def can_reduce(self, tensor: torch.Tensor) -> bool:
@@ -83,9 +85,17 @@ class SymmetricAllReduce:
         return (tensor.dtype in _DTYPES and tensor.is_contiguous() and num_bytes <= self.max_bytes
                 and num_bytes % 16 == 0)
 
+    def can_broadcast(self, tensor: torch.Tensor) -> bool:
+        num_bytes = tensor.numel() * tensor.element_size()
+        return tensor.is_contiguous() and num_bytes <= self.max_bytes and num_bytes % 4 == 0
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of `tensor` (same shape), in a new tensor; `tensor` is left as it was."""
-        return self._reduce(tensor)
+        return self._kernel(tensor)
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` into every rank's, in place; returns it."""
+        return self._kernel.broadcast(tensor)
 
 
 def _peer_ptrs(tensor: torch.Tensor, handle) -> list[int]:

@@ -1,4 +1,4 @@
-"""Which all-reduces take the symmetric-memory path: only where it can run, and only tensors its kernel
+"""Which all-reduces and broadcasts take the symmetric-memory path: only where it can run, and only tensors its kernel
 takes (the kernel itself needs two GPUs: `bench/gpu_tp.py`'s allreduce case checks its sums and times)."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_service.distributed.symmetric_all_reduce import SymmetricAllReduce, missing_peer_access
+from inference_service.distributed.symmetric_collectives import SymmetricCollectives, missing_peer_access
 
 
-def _gate(max_bytes: int) -> SymmetricAllReduce:
-    gate = object.__new__(SymmetricAllReduce)  # no buffer: only the size and dtype checks
+def _gate(max_bytes: int) -> SymmetricCollectives:
+    gate = object.__new__(SymmetricCollectives)  # no buffer: only the size and dtype checks
     gate.max_bytes = max_bytes
     return gate
 
@@ -27,12 +27,24 @@ def test_only_small_aligned_float_tensors_take_the_symmetric_path(shape, dtype, 
     assert _gate(32 * 4096 * 2).can_reduce(torch.zeros(shape, dtype=dtype)) is expected
 
 
+@pytest.mark.parametrize(("shape", "dtype", "expected"), [
+    ((1,), torch.int64, True),  # a decode step's token id
+    ((256, 512), torch.int32, True),  # block tables: exactly max_bytes
+    ((257, 512), torch.int32, False),
+    ((3,), torch.int16, False),  # not a whole number of 32-bit words
+    ((1, 4096), torch.bfloat16, True),
+])
+def test_broadcasts_of_small_whole_words_take_the_symmetric_path(shape, dtype, expected):
+    assert _gate(256 * 512 * 4).can_broadcast(torch.zeros(shape, dtype=dtype)) is expected
+
+
 def test_a_non_contiguous_tensor_goes_to_the_collective():
     assert not _gate(1 << 20).can_reduce(torch.zeros(64, 64, dtype=torch.bfloat16).t())
+    assert not _gate(1 << 20).can_broadcast(torch.zeros(64, 64, dtype=torch.int32).t())
 
 
 def test_no_symmetric_path_off_cuda():
-    assert SymmetricAllReduce.try_create(torch.device("cpu"), 2) is None
+    assert SymmetricCollectives.try_create(torch.device("cpu"), 2) is None
 
 
 def test_only_the_groups_gpus_need_peer_access():
