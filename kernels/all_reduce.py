@@ -50,7 +50,6 @@ def _one_shot_kernel(
     dtype = y_ptr.dtype.element_ty
     pdl_enter(USE_PDL)
     call = tl.load(calls_ptr + pid) + 1
-    tl.store(calls_ptr + pid, call)
     half = (call % 2) * WORLD
     x = tl.load(x_ptr + offs, mask=mask)
     # Pushed, not pulled: stores to a peer are posted, and each rank then reads its own memory; reading
@@ -60,8 +59,10 @@ def _one_shot_kernel(
             if peer != rank:
                 peer_data = tl.multiple_of(tl.load(data_ptrs + peer).to(tl.pointer_type(dtype)), 16)
                 tl.store(peer_data + (half + rank) * slot_elems + offs, x, mask=mask)
-    # NOTE: every thread's stores are done before one thread's release store publishes them.
+    # NOTE: every thread's stores are done before one thread's release store publishes them, and every
+    # thread has read the call count before one thread advances it.
     tl.debug_barrier()
+    tl.store(calls_ptr + pid, call)
     # Every rank flags every other, in a broadcast too: rank 0 may write a half again only once the others
     # have flagged the next call, that is, have read the half.
     for peer in tl.static_range(WORLD):
