@@ -94,11 +94,11 @@ def _one_shot_kernel(
         tl.store(y_ptr + offs, cast(total, dtype), mask=mask)
 
 
-class OneShotAllReduce:
+class OneShotCollectives:
     """All-reduces (`__call__`) and broadcasts from rank 0 (`broadcast`) of small tensors. The kernel's state
-    on one rank: device tensors of every rank's buffer and flag addresses, and this
-    rank's call counts. Every rank builds it with the same `max_bytes` and calls it with the same tensors'
-    sizes in the same order (as any collective)."""
+    on one rank: device tensors of every rank's buffer and flag addresses, and this rank's call counts.
+    Every rank builds it with the same `max_bytes` and calls it with the same tensors' sizes in the same
+    order (as any collective)."""
 
     def __init__(self, rank: int, world_size: int, data_ptrs: list[int], flag_ptrs: list[int], max_bytes: int,
                  device: torch.device):
@@ -121,7 +121,7 @@ class OneShotAllReduce:
     @staticmethod
     def flag_count(max_bytes: int, world_size: int) -> int:
         """int32 flags every rank maps, zeroed on every rank before any rank's first call."""
-        return OneShotAllReduce.max_programs(max_bytes) * world_size
+        return OneShotCollectives.max_programs(max_bytes) * world_size
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The sum over ranks of `x` (contiguous, at most `max_bytes`), in `out` or a new tensor."""

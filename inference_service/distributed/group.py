@@ -24,7 +24,8 @@ class TensorParallelGroup:
 
     rank: int
     world_size: int
-    # The latency path for a decode step's small all-reduces (CUDA with peer access); None = NCCL/gloo only.
+    # The latency path for a decode step's small all-reduces and broadcasts (CUDA with peer access); None =
+    # NCCL/gloo only.
     symmetric: SymmetricCollectives | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:

@@ -41,19 +41,19 @@ class SymmetricCollectives:
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
-        from kernels.all_reduce import OneShotAllReduce
+        from kernels.all_reduce import OneShotCollectives
 
         self.max_bytes = max_bytes
         group_name = dist.group.WORLD.group_name
         # Every rank allocates the same sizes in the same order, so a tensor's offset in its rank's mapping
         # is the same on every rank.
         world_size = dist.get_world_size()
-        data = symm_mem.empty(OneShotAllReduce.buffer_bytes(max_bytes, world_size), dtype=torch.uint8, device=device)
-        flags = symm_mem.empty(OneShotAllReduce.flag_count(max_bytes, world_size), dtype=torch.int32, device=device)
+        data = symm_mem.empty(OneShotCollectives.buffer_bytes(max_bytes, world_size), dtype=torch.uint8, device=device)
+        flags = symm_mem.empty(OneShotCollectives.flag_count(max_bytes, world_size), dtype=torch.int32, device=device)
         flags.zero_()
         peer_ptrs = [_peer_ptrs(t, symm_mem.rendezvous(t, group_name)) for t in (data, flags)]
         self._buffers = (data, flags)  # the mappings live as long as these tensors
-        self._kernel = OneShotAllReduce(dist.get_rank(), world_size, *peer_ptrs, max_bytes, device)
+        self._kernel = OneShotCollectives(dist.get_rank(), world_size, *peer_ptrs, max_bytes, device)
         torch.cuda.synchronize(device)
         dist.barrier()  # no rank's first flag reaches a peer before that peer zeroed its flags
 

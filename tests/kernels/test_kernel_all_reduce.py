@@ -5,7 +5,7 @@ flag, which count) and the sum. On two GPUs it runs for real in bench/gpu_tp.py'
 import pytest
 import torch
 
-from kernels.all_reduce import BLOCK, OneShotAllReduce
+from kernels.all_reduce import BLOCK, OneShotCollectives
 from tests.kernels.kernel_testlib import DEVICE, ON_GPU
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="peers simulated in host-visible memory: interpreter only")
@@ -18,13 +18,13 @@ class SimulatedGroup:
 
     def __init__(self, world_size: int):
         self.world_size = world_size
-        self.data = [torch.zeros(OneShotAllReduce.buffer_bytes(MAX_BYTES, world_size), dtype=torch.uint8, device=DEVICE)
-                     for _ in range(world_size)]
-        self.flags = [torch.zeros(OneShotAllReduce.flag_count(MAX_BYTES, world_size), dtype=torch.int32,
+        num_bytes = OneShotCollectives.buffer_bytes(MAX_BYTES, world_size)
+        self.data = [torch.zeros(num_bytes, dtype=torch.uint8, device=DEVICE) for _ in range(world_size)]
+        self.flags = [torch.zeros(OneShotCollectives.flag_count(MAX_BYTES, world_size), dtype=torch.int32,
                                   device=DEVICE) for _ in range(world_size)]
 
-    def reducer(self, rank: int) -> OneShotAllReduce:
-        return OneShotAllReduce(rank, self.world_size, [d.data_ptr() for d in self.data],
+    def reducer(self, rank: int) -> OneShotCollectives:
+        return OneShotCollectives(rank, self.world_size, [d.data_ptr() for d in self.data],
                                 [f.data_ptr() for f in self.flags], MAX_BYTES, DEVICE)
 
     def slot(self, owner: int, source: int, call: int, dtype: torch.dtype) -> torch.Tensor:
