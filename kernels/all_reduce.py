@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import cast, is_interpreter, pdl_args, pdl_enter, require
+from kernels._common import ACT_DTYPES, cast, is_interpreter, pdl_args, pdl_enter, require
 
 BLOCK = 1024  # elements a program moves: 2 KiB of bf16, one 16-byte vector per thread of 4 warps
 MIN_ELEMENT_SIZE = 2  # bytes: bf16, fp16 (and fp32)
@@ -125,8 +125,7 @@ class OneShotCollectives:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The sum over ranks of `x` (contiguous, at most `max_bytes`), in `out` or a new tensor."""
-        require(x.is_contiguous() and x.element_size() >= MIN_ELEMENT_SIZE and x.is_floating_point()
-                and x.numel() * x.element_size() <= self.max_bytes,
+        require(x.is_contiguous() and x.dtype in ACT_DTYPES and x.numel() * x.element_size() <= self.max_bytes,
                 lambda: f"x: contiguous 16- or 32-bit floats, at most {self.max_bytes} bytes; got {tuple(x.shape)} "
                         f"{x.dtype}")
         out = torch.empty_like(x) if out is None else out

@@ -25,7 +25,7 @@ class SimulatedGroup:
 
     def reducer(self, rank: int) -> OneShotCollectives:
         return OneShotCollectives(rank, self.world_size, [d.data_ptr() for d in self.data],
-                                [f.data_ptr() for f in self.flags], MAX_BYTES, DEVICE)
+                                  [f.data_ptr() for f in self.flags], MAX_BYTES, DEVICE)
 
     def slot(self, owner: int, source: int, call: int, dtype: torch.dtype) -> torch.Tensor:
         """Where call number `call` (1, 2, ...) of rank `source` puts its addend in rank `owner`'s buffer."""
@@ -135,5 +135,7 @@ def test_rejects_what_the_buffer_cannot_hold():
         reducer(torch.zeros(MAX_BYTES // 2 + 1, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="16- or 32-bit floats"):
         reducer(torch.zeros(16, dtype=torch.int32))
+    with pytest.raises(ValueError, match="16- or 32-bit floats"):
+        reducer(torch.zeros(16, dtype=torch.float64))
     with pytest.raises(ValueError, match="whole 32-bit words"):
         reducer.broadcast(torch.zeros(3, dtype=torch.int16))
