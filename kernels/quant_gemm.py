@@ -1,11 +1,14 @@
 """Weight-only quantized matmul for prefill and large batches: y = x @ dequant(w).T on tensor cores,
 and `quant_matmul`, the entry point that picks it or the decode GEMV by the number of rows.
 
-Each program owns a [BLOCK_M, BLOCK_N] output tile. Per K tile it widens the packed weight tile to
-fp32 in registers (`dequant_tile`: codes by bit arithmetic, scales / zeros / offsets once a group), rounds it to the activation dtype and feeds two dots, one per
-nibble plane (plane lo holds columns j of each 32, plane hi columns j + 16; x is loaded as the two
-matching strided views), accumulating in fp32. The weight is read once per BLOCK_M rows of x, so
-at large batch the kernel is compute-bound like a 16-bit GEMM plus the dequantization.
+Each program owns a [BLOCK_M, BLOCK_N] output tile. Per K tile it widens the packed weight tile in
+registers and feeds the tensor cores in x's dtype, accumulating in fp32. The weight comes as two nibble
+planes (plane lo holds columns j of each 32, plane hi columns j + 16); up to 16 rows they meet two
+strided views of x in two dots (`NATURAL` off), past that they are interleaved back into K order for one
+dot with a contiguous x tile (on an H100 at 256 rows: 0.49 of bf16 cuBLAS's speed against 0.27 for two
+dots, bench/quant_gemm_tune.py). 4-bit codes without offsets in fp16 / bf16 are dequantized in that
+dtype (`HALF`: packed half-precision ops, two weights an instruction); the rest through fp32
+(`dequant_tile`). The weight is read once per BLOCK_M rows of x.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
+    _INTERPRETED,
     ACT_DTYPES,
     cast,
     dot_precision,
@@ -33,6 +37,50 @@ from kernels.quant_layout import IntPackedWeight, dequant_tile, kernel_args, til
 
 
 @triton.jit
+def _scaled_codes(q, zero, scale, ACT: tl.constexpr):
+    """(q - zero) * scale in ACT (fp16 / bf16; codes int16 below 16), rounded once after the scale is.
+
+    NOTE: a code OR-ed into the mantissa of MAGIC (bf16 128, fp16 1024) is MAGIC + q exactly with no
+    conversion instruction, and (MAGIC + q) - (MAGIC + zero) is q - zero exactly; the GPU then works on
+    two weights an instruction. The interpreter has no bf16 arithmetic: the same roundings through fp32."""
+    if _INTERPRETED and ACT == tl.bfloat16:
+        return cast((q.to(tl.float32) - zero.to(tl.float32)) * cast(scale.to(tl.float32), ACT).to(tl.float32), ACT)
+    else:
+        magic_bits: tl.constexpr = 0x4300 if ACT == tl.bfloat16 else 0x6400
+        magic_q = (q | magic_bits).to(ACT, bitcast=True)
+        magic_zero = (zero | magic_bits).to(ACT, bitcast=True)
+        return (magic_q - magic_zero) * scale.to(ACT)
+
+
+@triton.jit
+def half_planes(qs_ptr, s_ptr, z_ptr, offs_n, k0, N, K, stride_qs, stride_s, GROUP: tl.constexpr,
+                ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                CHUNK: tl.constexpr, ACT: tl.constexpr):
+    """`dequant_tile` for 4-bit codes without offsets (groups of 32 or more) computed in ACT (fp16 / bf16,
+    `_scaled_codes`): planes ACT [BN, BK/2]."""
+    NUM_CHUNKS: tl.constexpr = BLOCK_K // 2 // CHUNK
+    b = tl.arange(0, BLOCK_K // 2)
+    cols_lo = k0 + (b // 16) * 32 + b % 16
+    in_k = cols_lo < K
+    n_mask = offs_n < N
+    rows = offs_n[:, None].to(tl.int64)
+    byte = tl.load(qs_ptr + rows * stride_qs + (k0 // 2 + b)[None, :], mask=n_mask[:, None] & in_k[None, :],
+                   other=0).to(tl.int16)
+    chunks = tl.arange(0, NUM_CHUNKS)
+    mask = n_mask[:, None] & ((k0 + chunks * (2 * CHUNK)) < K)[None, :]
+    at = rows * stride_s + (k0 // GROUP + chunks)[None, :]
+    scale = tl.load(s_ptr + at, mask=mask, other=0.0)[:, :, None]  # [BN, NC, 1]
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + at, mask=mask, other=0).to(tl.int16)[:, :, None]
+    else:
+        zero = tl.full((BLOCK_N, NUM_CHUNKS, 1), ZERO, tl.float32).to(tl.int16)  # ZERO: a float constexpr
+    w_lo = _scaled_codes(tl.reshape(byte & 15, (BLOCK_N, NUM_CHUNKS, CHUNK)), zero, scale, ACT)
+    w_hi = _scaled_codes(tl.reshape((byte >> 4) & 15, (BLOCK_N, NUM_CHUNKS, CHUNK)), zero, scale, ACT)
+    return (tl.reshape(w_lo, (BLOCK_N, BLOCK_K // 2)), tl.reshape(w_hi, (BLOCK_N, BLOCK_K // 2)), cols_lo,
+            cols_lo + 16, in_k)
+
+
+@triton.jit
 def _quant_gemm_kernel(
     x_ptr,  # [M, K] activations
     perm_ptr,  # [K] int32 packed column -> x column, or any pointer when not HAS_PERM
@@ -43,62 +91,96 @@ def _quant_gemm_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    CHUNK: tl.constexpr, GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    CHUNK: tl.constexpr, GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr, NATURAL: tl.constexpr,
+    HALF: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     act = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w_lo, w_hi, cols_lo, cols_hi, in_k = dequant_tile(
-            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
-            ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP)
-        if HAS_PERM:
-            cols_lo = tl.load(perm_ptr + cols_lo, mask=in_k, other=0)
-            cols_hi = tl.load(perm_ptr + cols_hi, mask=in_k, other=0)
-        x_mask = (offs_m[:, None] < M) & in_k[None, :]
-        x_lo = tl.load(x_rows + cols_lo[None, :], mask=x_mask, other=0.0)  # [BM, BK/2]
-        x_hi = tl.load(x_rows + cols_hi[None, :], mask=x_mask, other=0.0)
-        acc = mma(x_lo, tl.trans(cast(w_lo, act)), acc, DOT_PREC, UPCAST)
-        acc = mma(x_hi, tl.trans(cast(w_hi, act)), acc, DOT_PREC, UPCAST)
+        if HALF:
+            w_lo, w_hi, cols_lo, cols_hi, in_k = half_planes(
+                qs_ptr, s_ptr, z_ptr, offs_n, k0, N, K, stride_qs, stride_s, GROUP, ZERO, HAS_ZEROS, BLOCK_N,
+                BLOCK_K, CHUNK, act)
+        else:
+            w_lo, w_hi, cols_lo, cols_hi, in_k = dequant_tile(
+                qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
+                ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP)
+            w_lo = cast(w_lo, act)
+            w_hi = cast(w_hi, act)
+        if NATURAL:
+            # [BN, BK/32, 16, lo|hi] -> [BN, BK/32, lo|hi, 16]: columns back in K order
+            joined = tl.reshape(tl.join(w_lo, w_hi), (BLOCK_N, BLOCK_K // 32, 16, 2))
+            w = tl.reshape(tl.permute(joined, (0, 1, 3, 2)), (BLOCK_N, BLOCK_K))
+            cols = k0 + tl.arange(0, BLOCK_K)
+            in_k_cols = cols < K
+            if HAS_PERM:
+                cols = tl.load(perm_ptr + cols, mask=in_k_cols, other=0)
+            x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & in_k_cols[None, :], other=0.0)  # [BM, BK]
+            acc = mma(x, tl.trans(w), acc, DOT_PREC, UPCAST)
+        else:
+            if HAS_PERM:
+                cols_lo = tl.load(perm_ptr + cols_lo, mask=in_k, other=0)
+                cols_hi = tl.load(perm_ptr + cols_hi, mask=in_k, other=0)
+            x_mask = m_mask[:, None] & in_k[None, :]
+            x_lo = tl.load(x_rows + cols_lo[None, :], mask=x_mask, other=0.0)  # [BM, BK/2]
+            x_hi = tl.load(x_rows + cols_hi[None, :], mask=x_mask, other=0.0)
+            acc = mma(x_lo, tl.trans(w_lo), acc, DOT_PREC, UPCAST)
+            acc = mma(x_hi, tl.trans(w_hi), acc, DOT_PREC, UPCAST)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    y_mask = m_mask[:, None] & (offs_n[None, :] < N)
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], cast(acc, y_ptr.dtype.element_ty),
              mask=y_mask)
 
 
-def quant_gemm_config(num_rows: int, n: int) -> dict:
-    """Tiles: a first guess for the GPU (bench/gpu_quant.py --sweep measures it)."""
-    block_m = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64 if num_rows <= 128 else 128
-    return {"block_m": block_m, "block_n": 128, "block_k": 128, "num_warps": 8 if block_m >= 64 else 4,
-            "num_stages": 3}
+def quant_gemm_config(num_rows: int, n: int, dtype: torch.dtype) -> dict:
+    """Tiles an H100 measured best (bench/quant_gemm_tune.py, 2026-11-27): the two planes' dots with 16-row
+    tiles up to 16 rows, one dot in K order past; 256-row tiles for wide weights at large batch (the weight
+    widened once for 256 rows). fp32 activations (the CPU's) take smaller tiles: shared memory."""
+    if num_rows <= 16:
+        wide = n >= 16384
+        tiles = {"block_m": 16, "block_n": 128 if wide else 64, "num_warps": 4 if wide else 8, "natural": False}
+    elif num_rows <= 64:
+        tiles = {"block_m": 64, "block_n": 64, "num_warps": 4, "natural": True}
+    elif num_rows > 128 and n >= 6144:
+        tiles = {"block_m": 256, "block_n": 64, "num_warps": 4, "natural": True}
+    else:
+        tiles = {"block_m": 128, "block_n": 64, "num_warps": 8, "natural": True}
+    if dtype == torch.float32:
+        tiles["block_m"] = min(tiles["block_m"], 64)
+    return {**tiles, "block_k": 128, "num_stages": 2 if dtype == torch.float32 else 3}
 
 
 def quant_gemm(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = None, *,
                out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
-               block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None
-               ) -> torch.Tensor:
+               block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+               natural: bool | None = None) -> torch.Tensor:
     """x [M, K] @ dequant(w).T + bias -> [M, N] on tensor cores (weight rounded to x's dtype per tile),
-    fp32 accumulation. Arguments are checked by `quant_matmul`, the entry point."""
+    fp32 accumulation. Arguments are checked by `quant_matmul`, the entry point; tiles and `natural` (one dot
+    in K order, else one a nibble plane) default to `quant_gemm_config`."""
     num_rows, k = x.shape
     n = w.shape[0]
     if out is None:
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
-    tiles = quant_gemm_config(num_rows, n)
+    tiles = quant_gemm_config(num_rows, n, x.dtype)
     block_m, block_n = block_m or tiles["block_m"], block_n or tiles["block_n"]
     block_k, chunking = tile_for(w, block_k or tiles["block_k"])
     opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"],
                                         "num_stages": num_stages or tiles["num_stages"]}
     args, consts = kernel_args(w)
+    is_half = (w.bits == 4 and w.offsets is None and x.dtype != torch.float32 and chunking["GROUP_STEP"] == 1
+               and chunking["HI_GROUP"] == 0)
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(n, block_n))
     _quant_gemm_kernel[grid](
         x, w.perm if w.perm is not None else x, bias if bias is not None else x, out, *args,
         num_rows, n, k, x.stride(0), out.stride(0), **consts, HAS_PERM=w.perm is not None,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **chunking,
+        NATURAL=tiles["natural"] if natural is None else natural, HALF=is_half,
         DOT_PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), **opts, **pdl_args(x.device))
     return out
 

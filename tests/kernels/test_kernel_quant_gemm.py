@@ -3,6 +3,8 @@ variants: 4/5/6/8-bit codes, group 16/32/128/per-channel, zeros per group or con
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -60,9 +62,10 @@ def test_pack_roundtrip_and_dequantize(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("num_rows", [1, 3, MAX_QUANT_GEMV_ROWS, 40])
+@pytest.mark.parametrize("num_rows", [1, 3, MAX_QUANT_GEMV_ROWS, 40, 130])
 def test_quant_matmul_matches_dequantized_reference(variant, dtype, num_rows):
-    """Rows 1..2 take the GEMV, more the tensor-core GEMM; both against float64 dequantize-then-matmul."""
+    """Rows 1..2 take the GEMV, more the tensor-core GEMM (3..16: a dot per nibble plane; 40, 130: one dot in K
+    order, 4-bit codes without offsets dequantized in fp16 / bf16); all against float64 dequantize-then-matmul."""
     gen = torch.Generator().manual_seed(num_rows * 31 + len(variant))
     for n, k in SHAPES:
         w = random_packed(n, k, *VARIANTS[variant], gen)
@@ -73,7 +76,9 @@ def test_quant_matmul_matches_dequantized_reference(variant, dtype, num_rows):
         assert rel_err(out, quant_matmul_ref(x, w, bias)) < TOL[dtype], (variant, n, k)
 
 
-@pytest.mark.parametrize("launch", [quant_gemv, quant_gemm], ids=["gemv", "gemm"])
+@pytest.mark.parametrize("launch", [quant_gemv, quant_gemm, functools.partial(quant_gemm, natural=True),
+                                    functools.partial(quant_gemm, natural=False)],
+                         ids=["gemv", "gemm", "gemm_k_order", "gemm_planes"])
 def test_both_kernels_take_any_row_count(launch):
     """Either kernel is correct at any M (the entry point's split is a speed choice only)."""
     gen = torch.Generator().manual_seed(5)
