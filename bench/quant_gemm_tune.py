@@ -5,6 +5,7 @@ Variants of one kernel (constexpr switches):
   swap_planes   the weight is the left operand: acc [BN, BM] += w plane [BN, BK/2] @ x plane^T [BK/2, BM]
   natural       the planes joined into K order: one dot of x [BM, BK] @ w^T [BK, BN]
   swap_natural  both
+  shipped       `kernels.quant_gemm` with its own tiles (`quant_gemm_config`)
 Each (variant, tile) compiles in a pool of processes first (Triton's disk cache), then every shape of
 Llama-3-8B's projections is timed from CUDA graphs (weights rotated past L2). Prints the best tile of each
 variant per (rows, projection) and each variant's sum over a layer against bf16's.
@@ -30,6 +31,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels._common import cast, dot_upcast, mma  # noqa: E402
+from kernels.quant_gemm import quant_gemm  # noqa: E402
 from kernels.quant_layout import IntPackedWeight, dequant_tile, dequantize_int, kernel_args, tile_for  # noqa: E402
 
 PROJECTIONS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
@@ -128,11 +130,13 @@ def _variant_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, stride_qs
                  mask=m_mask[:, None] & (offs_n[None, :] < N))
 
 
-def gptq_weight(n: int, k: int, device: str = "cuda") -> IntPackedWeight:
-    """Random int4 codes in the GPTQ layout (group 128, fp16 scales, constant zero 8)."""
+def gptq_weight(n: int, k: int, device: str = "cuda", zeros: bool = False) -> IntPackedWeight:
+    """Random int4 codes in the GPTQ layout (group 128, fp16 scales, constant zero 8) or, with `zeros`, AWQ's
+    (a zero a group)."""
     qs = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device)
     scales = (torch.rand(n, k // 128, device=device) * 0.002).to(torch.float16)
-    return IntPackedWeight(4, 128, qs, scales, zero=8)
+    zero_plane = torch.randint(0, 16, (n, k // 128), dtype=torch.uint8, device=device) if zeros else None
+    return IntPackedWeight(4, 128, qs, scales, zeros=zero_plane, zero=8)
 
 
 def launch(x: torch.Tensor, w: IntPackedWeight, out: torch.Tensor, variant: str, config: dict, warmup: bool = False):
@@ -182,6 +186,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--rows", default="16,64,256")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--zeros", action="store_true", help="AWQ's zero points (a zero a group) instead of GPTQ's 8")
     p.add_argument("--block-m", default="16,32,64,128,256")
     p.add_argument("--block-n", default="64,128,256")
     p.add_argument("--block-k", default="64,128")
@@ -192,7 +197,7 @@ def main() -> None:
     start = time.time()
     row_counts = [int(r) for r in args.rows.split(",")]
     variants = args.variants.split(",")
-    jobs = sorted({(v, t) for r in row_counts for v in variants for t in tiles_for_rows(r, args)})
+    jobs = sorted({(v, t) for r in row_counts for v in variants if v != "shipped" for t in tiles_for_rows(r, args)})
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=min(12, os.cpu_count() or 1), mp_context=ctx) as pool:
         errors = dict(zip(jobs, pool.map(_compile, [(v, {"tile": t}) for v, t in jobs])))
@@ -203,13 +208,16 @@ def main() -> None:
         per_rows = results["rows"][num_rows] = {}
         for name, n, k in PROJECTIONS:
             copies = max(2, (192 << 20) // (n * k // 2))
-            ws = [gptq_weight(n, k) for _ in range(copies)]
+            ws = [gptq_weight(n, k, zeros=args.zeros) for _ in range(copies)]
             x = torch.randn(num_rows, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(num_rows, n, device="cuda", dtype=torch.bfloat16)
             ref = x.double() @ dequantize_int(ws[0], torch.float64).T
             bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, copies // 4))]
             row = {"bf16_us": round(graph_us(lambda: [torch.matmul(x, w.T, out=out) for w in bf16], len(bf16)), 1)}
-            for variant in variants:
+            if "shipped" in variants:  # kernels.quant_gemm as quant_matmul calls it, its own tiles
+                us = graph_us(lambda: [quant_gemm(x, w, out=out) for w in ws], len(ws))
+                row["shipped"] = {"us": round(us, 1), "tile": "quant_gemm_config"}
+            for variant in (v for v in variants if v != "shipped"):
                 best = None
                 for tile in tiles_for_rows(num_rows, args):
                     if errors.get((variant, tile)) or time.time() - start > args.budget_s:
