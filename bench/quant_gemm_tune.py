@@ -6,6 +6,7 @@ Variants of one kernel (constexpr switches):
   natural       the planes joined into K order: one dot of x [BM, BK] @ w^T [BK, BN]
   swap_natural  both
   shipped       `kernels.quant_gemm` with its own tiles (`quant_gemm_config`)
+  widened       `kernels.quant_widen.widened_matmul`: the weight widened to bf16, then cuBLAS
 Each (variant, tile) compiles in a pool of processes first (Triton's disk cache), then every shape of
 Llama-3-8B's projections is timed from CUDA graphs (weights rotated past L2). Prints the best tile of each
 variant per (rows, projection) and each variant's sum over a layer against bf16's.
@@ -33,12 +34,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels._common import cast, dot_upcast, mma  # noqa: E402
 from kernels.quant_gemm import quant_gemm  # noqa: E402
 from kernels.quant_layout import IntPackedWeight, dequant_tile, dequantize_int, kernel_args, tile_for  # noqa: E402
+from kernels.quant_widen import widened_matmul  # noqa: E402
 
 PROJECTIONS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 VARIANTS = {"planes": (False, False, False), "swap_planes": (True, False, False), "natural": (False, True, False),
             "swap_natural": (True, True, False), "half_planes": (False, False, True),
             "half_swap_planes": (True, False, True), "half_natural": (False, True, True),
             "half_swap_natural": (True, True, True)}
+FIXED_VARIANTS = ("shipped", "widened")  # no tiles to sweep
 
 
 @triton.jit
@@ -197,7 +200,8 @@ def main() -> None:
     start = time.time()
     row_counts = [int(r) for r in args.rows.split(",")]
     variants = args.variants.split(",")
-    jobs = sorted({(v, t) for r in row_counts for v in variants if v != "shipped" for t in tiles_for_rows(r, args)})
+    jobs = sorted({(v, t) for r in row_counts for v in variants if v not in FIXED_VARIANTS
+                   for t in tiles_for_rows(r, args)})
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=min(12, os.cpu_count() or 1), mp_context=ctx) as pool:
         errors = dict(zip(jobs, pool.map(_compile, [(v, {"tile": t}) for v, t in jobs])))
@@ -214,10 +218,14 @@ def main() -> None:
             ref = x.double() @ dequantize_int(ws[0], torch.float64).T
             bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, copies // 4))]
             row = {"bf16_us": round(graph_us(lambda: [torch.matmul(x, w.T, out=out) for w in bf16], len(bf16)), 1)}
-            if "shipped" in variants:  # kernels.quant_gemm as quant_matmul calls it, its own tiles
-                us = graph_us(lambda: [quant_gemm(x, w, out=out) for w in ws], len(ws))
-                row["shipped"] = {"us": round(us, 1), "tile": "quant_gemm_config"}
-            for variant in (v for v in variants if v != "shipped"):
+            fixed = {"shipped": quant_gemm, "widened": widened_matmul}  # quant_gemm: its own tiles
+            for variant in (v for v in variants if v in FIXED_VARIANTS):
+                fn = fixed[variant]
+                fn(x, ws[0], out=out)
+                err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+                us = graph_us(lambda fn=fn: [fn(x, w, out=out) for w in ws], len(ws))
+                row[variant] = {"us": round(us, 1), "tile": variant, "rel_err": f"{err:.2e}"}
+            for variant in (v for v in variants if v not in FIXED_VARIANTS):
                 best = None
                 for tile in tiles_for_rows(num_rows, args):
                     if errors.get((variant, tile)) or time.time() - start > args.budget_s:

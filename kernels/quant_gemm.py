@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
-    _INTERPRETED,
     ACT_DTYPES,
     cast,
     dot_precision,
@@ -35,53 +34,16 @@ from kernels._common import (
     require_same_device,
 )
 from kernels.quant_gemv import MAX_QUANT_GEMV_ROWS, QUANT_GEMV_FASTER_ROWS, quant_gemv
-from kernels.quant_layout import IntPackedWeight, dequant_tile, kernel_args, tile_for
-
-
-@triton.jit
-def _magic_plus(code, ACT: tl.constexpr):
-    """MAGIC + code exactly in ACT (bf16: MAGIC 128, fp16: 1024; code an int16 below 16): the code OR-ed
-    into the mantissa of MAGIC, no conversion instruction."""
-    if _INTERPRETED and ACT == tl.bfloat16:  # NOTE: the interpreter cannot bitcast 16 bits to bf16
-        return ((code.to(tl.int32) | 0x4300) << 16).to(tl.float32, bitcast=True).to(ACT)
-    else:
-        return (code | (0x4300 if ACT == tl.bfloat16 else 0x6400)).to(ACT, bitcast=True)
-
-
-@triton.jit
-def half_planes(qs_ptr, s_ptr, z_ptr, offs_n, k0, N, K, stride_qs, stride_s, GROUP: tl.constexpr,
-                ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                CHUNK: tl.constexpr, ACT: tl.constexpr):
-    """`dequant_tile` for 4-bit codes without offsets (groups of 32 or more) computed in ACT (fp16 / bf16):
-    (MAGIC + q) - (MAGIC + zero) is q - zero exactly, times the scale (rounded to ACT) rounds once; the GPU
-    works on two weights an instruction. Planes ACT [BN, BK/2]."""
-    NUM_CHUNKS: tl.constexpr = BLOCK_K // 2 // CHUNK
-    MAGIC: tl.constexpr = 128.0 if ACT == tl.bfloat16 else 1024.0
-    b = tl.arange(0, BLOCK_K // 2)
-    cols_lo = k0 + (b // 16) * 32 + b % 16
-    in_k = cols_lo < K
-    n_mask = offs_n < N
-    rows = offs_n[:, None].to(tl.int64)
-    byte = tl.load(qs_ptr + rows * stride_qs + (k0 // 2 + b)[None, :], mask=n_mask[:, None] & in_k[None, :],
-                   other=0).to(tl.int16)
-    chunks = tl.arange(0, NUM_CHUNKS)
-    mask = n_mask[:, None] & ((k0 + chunks * (2 * CHUNK)) < K)[None, :]
-    at = rows * stride_s + (k0 // GROUP + chunks)[None, :]
-    scale = cast(tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32), ACT)[:, :, None]  # [BN, NC, 1]
-    if HAS_ZEROS:
-        magic_zero = _magic_plus(tl.load(z_ptr + at, mask=mask, other=0).to(tl.int16), ACT)[:, :, None]
-    else:
-        magic_zero = tl.full((BLOCK_N, NUM_CHUNKS, 1), MAGIC + ZERO, ACT)
-    magic_lo = tl.reshape(_magic_plus(byte & 15, ACT), (BLOCK_N, NUM_CHUNKS, CHUNK))
-    magic_hi = tl.reshape(_magic_plus((byte >> 4) & 15, ACT), (BLOCK_N, NUM_CHUNKS, CHUNK))
-    if _INTERPRETED and ACT == tl.bfloat16:  # the interpreter has no bf16 arithmetic: the same roundings in fp32
-        w_lo = cast((magic_lo.to(tl.float32) - magic_zero.to(tl.float32)) * scale.to(tl.float32), ACT)
-        w_hi = cast((magic_hi.to(tl.float32) - magic_zero.to(tl.float32)) * scale.to(tl.float32), ACT)
-    else:
-        w_lo = (magic_lo - magic_zero) * scale
-        w_hi = (magic_hi - magic_zero) * scale
-    return (tl.reshape(w_lo, (BLOCK_N, BLOCK_K // 2)), tl.reshape(w_hi, (BLOCK_N, BLOCK_K // 2)), cols_lo,
-            cols_lo + 16, in_k)
+from kernels.quant_layout import (
+    IntPackedWeight,
+    dequant_tile,
+    half_planes,
+    kernel_args,
+    planes_in_k_order,
+    takes_half_planes,
+    tile_for,
+)
+from kernels.quant_widen import widened_matmul
 
 
 @triton.jit
@@ -116,9 +78,7 @@ def _quant_gemm_kernel(
             w_lo = cast(w_lo, act)
             w_hi = cast(w_hi, act)
         if NATURAL:
-            # [BN, BK/32, 16, lo|hi] -> [BN, BK/32, lo|hi, 16]: columns back in K order
-            joined = tl.reshape(tl.join(w_lo, w_hi), (BLOCK_N, BLOCK_K // 32, 16, 2))
-            w = tl.reshape(tl.permute(joined, (0, 1, 3, 2)), (BLOCK_N, BLOCK_K))
+            w = planes_in_k_order(w_lo, w_hi, BLOCK_N, BLOCK_K)
             cols = k0 + tl.arange(0, BLOCK_K)
             in_k_cols = cols < K
             if HAS_PERM:
@@ -139,6 +99,10 @@ def _quant_gemm_kernel(
     y_mask = m_mask[:, None] & (offs_n[None, :] < N)
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], cast(acc, y_ptr.dtype.element_ty),
              mask=y_mask)
+
+
+# From this many rows (fp16 / bf16 on the GPU) the whole weight is widened for cuBLAS: bench/quant_gemm_tune.py.
+WIDEN_ROWS = 512
 
 
 def quant_gemm_config(num_rows: int, n: int, dtype: torch.dtype) -> dict:
@@ -176,14 +140,12 @@ def quant_gemm(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = 
     opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"],
                                         "num_stages": num_stages or tiles["num_stages"]}
     args, consts = kernel_args(w)
-    is_half = (w.bits == 4 and w.offsets is None and x.dtype != torch.float32 and chunking["GROUP_STEP"] == 1
-               and chunking["HI_GROUP"] == 0)
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(n, block_n))
     _quant_gemm_kernel[grid](
         x, w.perm if w.perm is not None else x, bias if bias is not None else x, out, *args,
         num_rows, n, k, x.stride(0), out.stride(0), **consts, HAS_PERM=w.perm is not None,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **chunking,
-        NATURAL=tiles["natural"] if natural is None else natural, HALF=is_half,
+        NATURAL=tiles["natural"] if natural is None else natural, HALF=takes_half_planes(w, x.dtype, chunking),
         DOT_PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), **opts)
     return out
 
@@ -192,7 +154,8 @@ def quant_matmul(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None 
                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ dequant(w).T + bias -> [M, N] in x's dtype: the decode GEMV up to
-    QUANT_GEMV_FASTER_ROWS rows, the tensor-core GEMM past it. Checks shapes, dtypes and devices.
+    QUANT_GEMV_FASTER_ROWS rows, the tensor-core GEMM past it, and on the GPU from WIDEN_ROWS rows of fp16 /
+    bf16 the widened weight through cuBLAS (`kernels.quant_widen`). Checks shapes, dtypes and devices.
 
     The fused decoder's options (`gated`, `norm_weight`, `residual`: see `kernels.gemv`) are decode
     options: they take at most MAX_QUANT_GEMV_ROWS rows."""
@@ -216,4 +179,6 @@ def quant_matmul(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None 
     require_same_device(x=x, qs=w.qs, scales=w.scales)
     if x.shape[0] <= QUANT_GEMV_FASTER_ROWS or is_fused:
         return quant_gemv(x, w, bias, gated=gated, norm_weight=norm_weight, eps=eps, residual=residual, out=out)
+    if x.shape[0] >= WIDEN_ROWS and x.is_cuda and x.dtype != torch.float32:
+        return widened_matmul(x, w, bias, out=out)
     return quant_gemm(x, w, bias, out=out)

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._common import _INTERPRETED, cast
+
 NIBBLE_SPAN = 32  # columns sharing one run of 16 bytes (byte j: columns j and j + 16)
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -267,6 +269,67 @@ def dequant_tile(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_q
         w_hi += o_hi[:, :, None]
     return (tl.reshape(w_lo, (BLOCK_N, BLOCK_K // 2)), tl.reshape(w_hi, (BLOCK_N, BLOCK_K // 2)), cols_lo, cols_hi,
             in_k)
+
+
+@triton.jit
+def _magic_plus(code, ACT: tl.constexpr):
+    """MAGIC + code exactly in ACT (bf16: MAGIC 128, fp16: 1024; code an int16 below 16): the code OR-ed
+    into the mantissa of MAGIC, no conversion instruction."""
+    if _INTERPRETED and ACT == tl.bfloat16:  # NOTE: the interpreter cannot bitcast 16 bits to bf16
+        return ((code.to(tl.int32) | 0x4300) << 16).to(tl.float32, bitcast=True).to(ACT)
+    else:
+        return (code | (0x4300 if ACT == tl.bfloat16 else 0x6400)).to(ACT, bitcast=True)
+
+
+@triton.jit
+def half_planes(qs_ptr, s_ptr, z_ptr, offs_n, k0, N, K, stride_qs, stride_s, GROUP: tl.constexpr,
+                ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                CHUNK: tl.constexpr, ACT: tl.constexpr):
+    """`dequant_tile` for 4-bit codes without offsets (groups of 32 or more) computed in ACT (fp16 / bf16):
+    (MAGIC + q) - (MAGIC + zero) is q - zero exactly, times the scale (rounded to ACT) rounds once; the GPU
+    works on two weights an instruction. Planes ACT [BN, BK/2]."""
+    NUM_CHUNKS: tl.constexpr = BLOCK_K // 2 // CHUNK
+    MAGIC: tl.constexpr = 128.0 if ACT == tl.bfloat16 else 1024.0
+    b = tl.arange(0, BLOCK_K // 2)
+    cols_lo = k0 + (b // 16) * 32 + b % 16
+    in_k = cols_lo < K
+    n_mask = offs_n < N
+    rows = offs_n[:, None].to(tl.int64)
+    byte = tl.load(qs_ptr + rows * stride_qs + (k0 // 2 + b)[None, :], mask=n_mask[:, None] & in_k[None, :],
+                   other=0).to(tl.int16)
+    chunks = tl.arange(0, NUM_CHUNKS)
+    mask = n_mask[:, None] & ((k0 + chunks * (2 * CHUNK)) < K)[None, :]
+    at = rows * stride_s + (k0 // GROUP + chunks)[None, :]
+    scale = cast(tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32), ACT)[:, :, None]  # [BN, NC, 1]
+    if HAS_ZEROS:
+        magic_zero = _magic_plus(tl.load(z_ptr + at, mask=mask, other=0).to(tl.int16), ACT)[:, :, None]
+    else:
+        magic_zero = tl.full((BLOCK_N, NUM_CHUNKS, 1), MAGIC + ZERO, ACT)
+    magic_lo = tl.reshape(_magic_plus(byte & 15, ACT), (BLOCK_N, NUM_CHUNKS, CHUNK))
+    magic_hi = tl.reshape(_magic_plus((byte >> 4) & 15, ACT), (BLOCK_N, NUM_CHUNKS, CHUNK))
+    if _INTERPRETED and ACT == tl.bfloat16:  # the interpreter has no bf16 arithmetic: the same roundings in fp32
+        w_lo = cast((magic_lo.to(tl.float32) - magic_zero.to(tl.float32)) * scale.to(tl.float32), ACT)
+        w_hi = cast((magic_hi.to(tl.float32) - magic_zero.to(tl.float32)) * scale.to(tl.float32), ACT)
+    else:
+        w_lo = (magic_lo - magic_zero) * scale
+        w_hi = (magic_hi - magic_zero) * scale
+    return (tl.reshape(w_lo, (BLOCK_N, BLOCK_K // 2)), tl.reshape(w_hi, (BLOCK_N, BLOCK_K // 2)), cols_lo,
+            cols_lo + 16, in_k)
+
+
+@triton.jit
+def planes_in_k_order(w_lo, w_hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The two planes [BN, BK/2] of a tile as one [BN, BK] in column order."""
+    # [BN, BK/32, 16, lo|hi] -> [BN, BK/32, lo|hi, 16]
+    joined = tl.reshape(tl.join(w_lo, w_hi), (BLOCK_N, BLOCK_K // 32, 16, 2))
+    return tl.reshape(tl.permute(joined, (0, 1, 3, 2)), (BLOCK_N, BLOCK_K))
+
+
+def takes_half_planes(w: IntPackedWeight, dtype: torch.dtype, chunking: dict) -> bool:
+    """Whether `half_planes` widens w's tiles for `dtype` activations (4-bit codes without offsets, groups of 32
+    or more, fp16 / bf16); `chunking` as `tile_for` gives it."""
+    return (w.bits == 4 and w.offsets is None and dtype in (torch.float16, torch.bfloat16)
+            and chunking["GROUP_STEP"] == 1 and chunking["HI_GROUP"] == 0)
 
 
 def kernel_args(w: IntPackedWeight) -> tuple[list, dict]:

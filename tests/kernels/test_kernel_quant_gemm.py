@@ -17,6 +17,7 @@ from kernels.quant_layout import (
     quant_matmul_ref,
     unpack_codes,
 )
+from kernels.quant_widen import widen, widened_matmul
 from tests.kernels.kernel_testlib import DEVICE, ON_GPU, TOL, poisoned, rel_err
 
 # name: (bits, group_size or None = per channel, per-group zeros, offsets, act-order permutation)
@@ -141,3 +142,23 @@ def test_fused_options_are_decode_only():
         quant_matmul(torch.randn(2, 64, device=DEVICE), w, gated=True)
     with pytest.raises(ValueError, match="norm_weight: expected"):
         quant_matmul(torch.randn(2, 64, device=DEVICE), w, norm_weight=torch.ones(63, device=DEVICE))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_widened_weight_and_matmul(variant):
+    """`widen` gives the dequantized weight in packed column order (fp32: the formula's own rounding; fp16 /
+    bf16: rounded once more at most); `widened_matmul` (quant_matmul's path from WIDEN_ROWS rows on the GPU)
+    equals the float64 reference, act-order included."""
+    gen = torch.Generator().manual_seed(len(variant) * 7)
+    n, k = SHAPES[0]
+    w = random_packed(n, k, *VARIANTS[variant], gen)
+    expected = dequantize_int(w, torch.float32, unpermute=False)
+    assert torch.allclose(widen(w, torch.float32), expected, rtol=1e-6, atol=1e-7)
+    for dtype in (torch.bfloat16, torch.float16):
+        eps = torch.finfo(dtype).eps
+        assert torch.allclose(widen(w, dtype).float(), expected, rtol=2 * eps, atol=1e-6), (variant, dtype)
+        x = torch.randn(20, k, generator=gen).to(dtype=dtype, device=DEVICE)
+        bias = torch.randn(n, generator=gen).to(dtype=dtype, device=DEVICE)
+        out = poisoned((20, n), dtype)
+        widened_matmul(x, w, bias, out=out)
+        assert rel_err(out, quant_matmul_ref(x, w, bias)) < TOL[dtype], (variant, dtype)
