@@ -9,10 +9,28 @@ import traceback
 import torch
 
 
+def _ttft_ms(engine, prompt_len: int, reps: int = 3) -> float:
+    """Median ms from adding a fresh prompt of `prompt_len` tokens (a new one each time: no prefix hit) to its
+    first token, the engine otherwise idle."""
+    from inference_service.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = []
+    for rep in range(reps):
+        prompt = torch.randint(0, 128000, (prompt_len,), generator=torch.Generator().manual_seed(rep + 1)).tolist()
+        t0 = time.perf_counter()
+        engine.add_request(engine.input_processor.process(f"ttft{rep}", prompt, params))
+        while engine.has_unfinished:
+            engine.step()
+        times.append(time.perf_counter() - t0)
+    return round(sorted(times)[len(times) // 2] * 1e3, 1)
+
+
 def section_served(results: dict, device: str, methods: list[str]) -> None:
     """The engine's own decode (LLMEngine.step, CUDA graphs, 128-token prompt, 512 new tokens, batch 1)
     with bf16 weights and each `--quantization` (in-situ quantized from the same random bf16 weights),
-    as bench/gpu_perf.py measures bf16. Roofline: copy bandwidth / the bytes of weights a step reads."""
+    as bench/gpu_perf.py measures bf16, and the time to first token of a 2000-token prompt. Roofline: copy
+    bandwidth / the bytes of weights a step reads."""
     import gpu_common
     import gpu_perf
 
@@ -48,8 +66,8 @@ def section_served(results: dict, device: str, methods: list[str]) -> None:
                 engine.step()
                 stamps.append(time.perf_counter())
             tok_s = 511 / (stamps[-1] - stamps[1])
-            row = {"decode_tok_s": round(tok_s, 1), "weight_gb": round(weight_bytes / 1e9, 3),
-                   "quantize_s": round(quantize_s, 1)}
+            row = {"decode_tok_s": round(tok_s, 1), "ttft_2k_ms": _ttft_ms(engine, 2000),
+                   "weight_gb": round(weight_bytes / 1e9, 3), "quantize_s": round(quantize_s, 1)}
             if copy_gbs:
                 roofline = copy_gbs * 1e9 / weight_bytes  # as the weight passes' rooflines
                 row.update(roofline_tok_s=round(roofline, 1), ratio_to_roofline=round(tok_s / roofline, 3))
