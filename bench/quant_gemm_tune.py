@@ -33,7 +33,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels._common import cast, dot_upcast, mma  # noqa: E402
 from kernels.quant_gemm import quant_gemm  # noqa: E402
-from kernels.quant_layout import IntPackedWeight, dequant_tile, dequantize_int, kernel_args, tile_for  # noqa: E402
+from kernels.quant_layout import (  # noqa: E402
+    IntPackedWeight,
+    act_planes,
+    dequantize_int,
+    kernel_args,
+    planes_in_k_order,
+    tile_for,
+)
 from kernels.quant_widen import widened_matmul  # noqa: E402
 
 PROJECTIONS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
@@ -42,37 +49,6 @@ VARIANTS = {"planes": (False, False, False), "swap_planes": (True, False, False)
             "half_swap_planes": (True, False, True), "half_natural": (False, True, True),
             "half_swap_natural": (True, True, True)}
 FIXED_VARIANTS = ("shipped", "widened")  # no tiles to sweep
-
-
-@triton.jit
-def half_tile(qs_ptr, s_ptr, z_ptr, offs_n, k0, N, K, stride_qs, stride_s, GROUP: tl.constexpr, ZERO: tl.constexpr,
-              HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr):
-    """4-bit codes dequantized in the activation dtype (one group a tile): a nibble OR-ed into the mantissa of
-    MAGIC (bf16 128, fp16 1024) is MAGIC + q exactly; minus MAGIC + zero is q - zero exactly; times the scale
-    rounds once."""
-    b = tl.arange(0, BLOCK_K // 2)
-    cols_lo = k0 + (b // 16) * 32 + b % 16
-    cols_hi = cols_lo + 16
-    in_k = cols_lo < K
-    n_mask = offs_n < N
-    rows = offs_n[:, None].to(tl.int64)
-    byte = tl.load(qs_ptr + rows * stride_qs + (k0 // 2 + b)[None, :], mask=n_mask[:, None] & in_k[None, :],
-                   other=0).to(tl.int16)
-    if ACT == tl.bfloat16:
-        MAGIC_BITS: tl.constexpr = 0x4300
-        MAGIC: tl.constexpr = 128.0
-    else:
-        MAGIC_BITS: tl.constexpr = 0x6400
-        MAGIC: tl.constexpr = 1024.0
-    lo = ((byte & 15) | MAGIC_BITS).to(ACT, bitcast=True)
-    hi = (((byte >> 4) & 15) | MAGIC_BITS).to(ACT, bitcast=True)
-    at = offs_n.to(tl.int64) * stride_s + k0 // GROUP
-    scale = tl.load(s_ptr + at, mask=n_mask, other=0.0).to(ACT)[:, None]
-    if HAS_ZEROS:
-        zero = (tl.load(z_ptr + at, mask=n_mask, other=0).to(tl.float32) + MAGIC).to(ACT)[:, None]
-    else:
-        zero = tl.full((BLOCK_N, 1), MAGIC + ZERO, ACT)
-    return (lo - zero) * scale, (hi - zero) * scale, cols_lo, cols_hi, in_k
 
 
 @triton.jit
@@ -93,19 +69,11 @@ def _variant_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, stride_qs
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if HALF:
-            w_lo, w_hi, cols_lo, cols_hi, in_k = half_tile(
-                qs_ptr, s_ptr, z_ptr, offs_n, k0, N, K, stride_qs, stride_s, GROUP, ZERO, HAS_ZEROS, BLOCK_N,
-                BLOCK_K, act)
-        else:
-            w_lo, w_hi, cols_lo, cols_hi, in_k = dequant_tile(
-                qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
-                ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP)
-            w_lo = cast(w_lo, act)
-            w_hi = cast(w_hi, act)
+        w_lo, w_hi, cols_lo, cols_hi, in_k = act_planes(
+            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
+            ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, HALF, act)
         if NATURAL:
-            joined = tl.reshape(tl.join(w_lo, w_hi), (BLOCK_N, BLOCK_K // 32, 16, 2))
-            w = tl.reshape(tl.permute(joined, (0, 1, 3, 2)), (BLOCK_N, BLOCK_K))
+            w = planes_in_k_order(w_lo, w_hi, BLOCK_N, BLOCK_K)
             cols = k0 + tl.arange(0, BLOCK_K)
             if SWAP:
                 xt = tl.load(x_ptr + rows[None, :] + cols[:, None], mask=m_mask[None, :], other=0.0)

@@ -11,13 +11,13 @@ from kernels.decode_attention import paged_decode_attention
 from kernels.decode_prologue import DecodeAppend
 from kernels.fp8_gemm import Fp8Weight, fp8_linear, fp8_matmul_ref
 from kernels.gemv import MAX_GEMV_ROWS, gemv, gemv_ref
+from kernels.kv_write import quantize_fp8_ref, write_kv_cache, write_kv_cache_ref
 from kernels.moe import align_pairs_by_expert, fused_moe, fused_moe_ref
 from kernels.moe_route import moe_route
-from kernels.kv_write import quantize_fp8_ref, write_kv_cache, write_kv_cache_ref
+from kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_ref
+from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from kernels.quant_gemm import quant_matmul
 from kernels.quant_layout import IntPackedWeight, dequantize_int, quant_matmul_ref
-from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
-from kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_ref
 from kernels.rotary import Rotary, apply_rotary, rotary_ref
 from kernels.split_kv import choose_num_kv_splits
 

@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
-    cast,
     FP8_DTYPE,
+    cast,
     dot_precision,
     dot_upcast,
     fp16_operand,
@@ -26,7 +26,6 @@ from kernels._common import (
     pdl_enter,
     require,
 )
-
 from kernels.decode_prologue import DecodeAppend, append_launch_args, append_token, load_query
 from kernels.paged_kv import check_paged_kv, paged_kv_strides
 from kernels.split_kv import MAX_KV_SPLITS, choose_num_kv_splits, merge_splits, split_bounds

@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
-    cast,
     FP8_DTYPE,
+    cast,
     dot_precision,
     dot_upcast,
     fp16_operand,

@@ -36,8 +36,7 @@ from kernels._common import (
 from kernels.quant_gemv import MAX_QUANT_GEMV_ROWS, QUANT_GEMV_FASTER_ROWS, quant_gemv
 from kernels.quant_layout import (
     IntPackedWeight,
-    dequant_tile,
-    half_planes,
+    act_planes,
     kernel_args,
     planes_in_k_order,
     takes_half_planes,
@@ -67,16 +66,9 @@ def _quant_gemm_kernel(
     act = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if HALF:
-            w_lo, w_hi, cols_lo, cols_hi, in_k = half_planes(
-                qs_ptr, s_ptr, z_ptr, offs_n, k0, N, K, stride_qs, stride_s, GROUP, ZERO, HAS_ZEROS, BLOCK_N,
-                BLOCK_K, CHUNK, act)
-        else:
-            w_lo, w_hi, cols_lo, cols_hi, in_k = dequant_tile(
-                qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
-                ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP)
-            w_lo = cast(w_lo, act)
-            w_hi = cast(w_hi, act)
+        w_lo, w_hi, cols_lo, cols_hi, in_k = act_planes(
+            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
+            ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, HALF, act)
         if NATURAL:
             w = planes_in_k_order(w_lo, w_hi, BLOCK_N, BLOCK_K)
             cols = k0 + tl.arange(0, BLOCK_K)

@@ -318,6 +318,23 @@ def half_planes(qs_ptr, s_ptr, z_ptr, offs_n, k0, N, K, stride_qs, stride_s, GRO
 
 
 @triton.jit
+def act_planes(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s,
+               BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
+               HAS_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+               GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr, HALF: tl.constexpr, ACT: tl.constexpr):
+    """A tile's two planes in ACT, for the tensor cores: (w_lo, w_hi, cols_lo, cols_hi, in_k) as `dequant_tile`
+    gives them. HALF (`takes_half_planes`): widened in ACT by `half_planes`; else in fp32, rounded once."""
+    if HALF:
+        return half_planes(qs_ptr, s_ptr, z_ptr, offs_n, k0, N, K, stride_qs, stride_s, GROUP, ZERO, HAS_ZEROS,
+                           BLOCK_N, BLOCK_K, CHUNK, ACT)
+    else:
+        w_lo, w_hi, cols_lo, cols_hi, in_k = dequant_tile(
+            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
+            ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP)
+        return cast(w_lo, ACT), cast(w_hi, ACT), cols_lo, cols_hi, in_k
+
+
+@triton.jit
 def planes_in_k_order(w_lo, w_hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The two planes [BN, BK/2] of a tile as one [BN, BK] in column order."""
     # [BN, BK/32, 16, lo|hi] -> [BN, BK/32, lo|hi, 16]

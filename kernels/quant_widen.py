@@ -16,11 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import cast, is_interpreter
+from kernels._common import is_interpreter
 from kernels.quant_layout import (
     IntPackedWeight,
-    dequant_tile,
-    half_planes,
+    act_planes,
     kernel_args,
     planes_in_k_order,
     takes_half_planes,
@@ -39,16 +38,9 @@ def _widen_kernel(
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
-    act = out_ptr.dtype.element_ty
-    if HALF:
-        w_lo, w_hi, _, _, _ = half_planes(qs_ptr, s_ptr, z_ptr, offs_n, k0, N, K, stride_qs, stride_s, GROUP, ZERO,
-                                          HAS_ZEROS, BLOCK_N, BLOCK_K, CHUNK, act)
-    else:
-        w_lo, w_hi, _, _, _ = dequant_tile(
-            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
-            ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP)
-        w_lo = cast(w_lo, act)
-        w_hi = cast(w_hi, act)
+    w_lo, w_hi, _, _, _ = act_planes(
+        qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP, ZERO,
+        HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, HALF, out_ptr.dtype.element_ty)
     w = planes_in_k_order(w_lo, w_hi, BLOCK_N, BLOCK_K)
     cols = k0 + tl.arange(0, BLOCK_K)
     mask = (offs_n[:, None] < N) & (cols[None, :] < K)

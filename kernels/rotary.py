@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
-    cast,
     ACT_DTYPES,
+    cast,
     is_interpreter,
     next_pow2,
     pdl_args,
