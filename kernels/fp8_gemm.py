@@ -31,8 +31,7 @@ from kernels._common import (
     require_inner_contiguous,
 )
 from kernels.fp8_gemv import MAX_FP8_GEMV_ROWS, fp8_gemv
-
-MIN_SCALE = 1e-12  # an all-zero group still gets a finite scale
+from kernels.fp8_quant import MIN_SCALE, quantize_fp8_rows
 
 
 @dataclass
@@ -74,7 +73,7 @@ class Fp8Weight:
 def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, cdiv(K, group)]): each row's groups of `group`
     columns (the last one may be partial) scaled so their largest magnitude is FP8_MAX (dynamic
-    quantization of activations)."""
+    quantization; the reference of `kernels.fp8_quant.quantize_fp8_rows`, which quantizes activations)."""
     m, k = x.shape
     num_groups = triton.cdiv(k, group)
     padded = torch.nn.functional.pad(x.float(), (0, num_groups * group - k))
@@ -187,9 +186,10 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
 
 def fp8_quantized_matmul(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The path past MAX_FP8_GEMV_ROWS rows (any row count): x quantized to e4m3 per row and block_k
-    columns, then cuBLASLt's `_scaled_mm` where it applies, else the Triton fp8 GEMM."""
+    columns (`kernels.fp8_quant`, one launch), then cuBLASLt's `_scaled_mm` where it applies, else the
+    Triton fp8 GEMM."""
     n = w.shape[0]
-    xq, x_scale = quantize_fp8_groups(x, w.block_k)
+    xq, x_scale = quantize_fp8_rows(x, w.block_k)
     if _can_scaled_mm(x, w):
         scale_b = w.scale.view(1, -1) if w.scale.numel() > 1 else w.scale.view(1, 1)
         scale_b = scale_b.expand(1, n).contiguous() if scale_b.shape[1] == 1 else scale_b

@@ -15,6 +15,7 @@ from kernels.fp8_gemm import (
     quantize_fp8_groups,
 )
 from kernels.fp8_gemv import MAX_FP8_GEMV_ROWS, fp8_gemv
+from kernels.fp8_quant import quantize_fp8_rows
 from tests.kernels.kernel_testlib import DEVICE, ON_GPU, TOL, rel_err
 
 SCALINGS = {"per_tensor": None, "per_channel": (1, None), "block_128": (128, 128), "block_32": (32, 32)}
@@ -101,3 +102,21 @@ def test_fp8_arguments_are_checked():
         fp8_linear(torch.randn(2, 128, device=DEVICE), w)
     with pytest.raises(ValueError, match="x_scale: expected"):
         fp8_gemm(q[:2].to(DEVICE), torch.ones(2, 1, device=DEVICE), w)
+
+
+@pytest.mark.parametrize("rows_cols_group", [(5, 256, 128), (7, 300, 128), (3, 384, 384), (4, 256, 32),
+                                             (2, 4096, 4096), (2, 1000, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_activation_quantizer_is_bit_exact(rows_cols_group, dtype):
+    """`quantize_fp8_rows` (one launch, what the fp8 GEMMs quantize x with) gives torch's scales and codes bit
+    for bit: whole and partial groups, an all-zero group, values in e4m3's subnormal range."""
+    m, k, group = rows_cols_group
+    gen = torch.Generator().manual_seed(m * k + group)
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 10
+    x[0, :min(k, group)] = 0.0
+    x[1, 3] = x[1].abs().max() * 1e-4  # below e4m3's smallest normal once scaled
+    x = x.to(dtype=dtype, device=DEVICE)
+    q_ref, scale_ref = quantize_fp8_groups(x, group)
+    q, scale = quantize_fp8_rows(x, group)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
