@@ -1,10 +1,12 @@
 """Layouts and tiles of the int4 tensor-core GEMM (`kernels/quant_gemm.py`) at 16-512 rows, against bf16 cuBLAS.
 
 Variants of one kernel (constexpr switches):
-  planes        today's: x [BM, BK/2] twice (the two nibble planes' strided views) @ w planes^T
+  planes        (kernels.quant_gemm up to 16 rows) x [BM, BK/2] twice (the planes' strided views) @ w planes^T
   swap_planes   the weight is the left operand: acc [BN, BM] += w plane [BN, BK/2] @ x plane^T [BK/2, BM]
   natural       the planes joined into K order: one dot of x [BM, BK] @ w^T [BK, BN]
   swap_natural  both
+  half_*        4-bit codes widened in bf16 (`quant_layout.half_planes`) instead of fp32
+  half_pipe_*   K order, the next K tile widened before this tile's dot (hand-pipelined)
   shipped       `kernels.quant_gemm` with its own tiles (`quant_gemm_config`)
   widened       `kernels.quant_widen.widened_matmul`: the weight widened to bf16, then cuBLAS
 Each (variant, tile) compiles in a pool of processes first (Triton's disk cache), then every shape of
@@ -44,10 +46,12 @@ from kernels.quant_layout import (  # noqa: E402
 from kernels.quant_widen import widened_matmul  # noqa: E402
 
 PROJECTIONS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
-VARIANTS = {"planes": (False, False, False), "swap_planes": (True, False, False), "natural": (False, True, False),
-            "swap_natural": (True, True, False), "half_planes": (False, False, True),
-            "half_swap_planes": (True, False, True), "half_natural": (False, True, True),
-            "half_swap_natural": (True, True, True)}
+# name: (swap, natural, half, pipelined)
+VARIANTS = {"planes": (False, False, False, False), "swap_planes": (True, False, False, False),
+            "natural": (False, True, False, False), "swap_natural": (True, True, False, False),
+            "half_planes": (False, False, True, False), "half_swap_planes": (True, False, True, False),
+            "half_natural": (False, True, True, False), "half_swap_natural": (True, True, True, False),
+            "half_pipe_natural": (False, True, True, True), "half_pipe_swap_natural": (True, True, True, True)}
 FIXED_VARIANTS = ("shipped", "widened")  # no tiles to sweep
 
 
@@ -101,6 +105,51 @@ def _variant_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, stride_qs
                  mask=m_mask[:, None] & (offs_n[None, :] < N))
 
 
+@triton.jit
+def _pipelined_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, stride_qs, stride_qh, stride_s,
+                      M, N, K, stride_xm, stride_ym,
+                      BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                      HAS_OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr,
+                      SWAP: tl.constexpr, HALF: tl.constexpr, UPCAST: tl.constexpr):
+    """The K-order variants with the next K tile widened before this tile's dot (carried across the loop),
+    so the dot's asynchronous MMA has the next tile's integer work to overlap."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    rows = offs_m.to(tl.int64) * stride_xm
+    act = x_ptr.dtype.element_ty
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_lo, w_hi, _, _, _ = act_planes(
+        qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, 0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
+        ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, HALF, act)
+    for k0 in range(0, K, BLOCK_K):
+        w = planes_in_k_order(w_lo, w_hi, BLOCK_N, BLOCK_K)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        if SWAP:
+            xt = tl.load(x_ptr + rows[None, :] + cols[:, None], mask=m_mask[None, :], other=0.0)
+        else:
+            xx = tl.load(x_ptr + rows[:, None] + cols[None, :], mask=m_mask[:, None], other=0.0)
+        # past the last tile every load is masked (zeros): no bounds check needed
+        w_lo, w_hi, _, _, _ = act_planes(
+            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0 + BLOCK_K, N, K, stride_qs, stride_qh, stride_s, BITS,
+            GROUP, ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, HALF, act)
+        if SWAP:
+            acc = mma(w, xt, acc, 'tf32', UPCAST)
+        else:
+            acc = mma(xx, tl.trans(w), acc, 'tf32', UPCAST)
+    y_rows = offs_m.to(tl.int64) * stride_ym
+    if SWAP:
+        tl.store(y_ptr + y_rows[None, :] + offs_n[:, None], cast(acc, y_ptr.dtype.element_ty),
+                 mask=m_mask[None, :] & (offs_n[:, None] < N))
+    else:
+        tl.store(y_ptr + y_rows[:, None] + offs_n[None, :], cast(acc, y_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & (offs_n[None, :] < N))
+
+
 def gptq_weight(n: int, k: int, device: str = "cuda", zeros: bool = False) -> IntPackedWeight:
     """Random int4 codes in the GPTQ layout (group 128, fp16 scales, constant zero 8) or, with `zeros`, AWQ's
     (a zero a group)."""
@@ -111,15 +160,17 @@ def gptq_weight(n: int, k: int, device: str = "cuda", zeros: bool = False) -> In
 
 
 def launch(x: torch.Tensor, w: IntPackedWeight, out: torch.Tensor, variant: str, config: dict, warmup: bool = False):
-    swap, natural, half = VARIANTS[variant]
+    swap, natural, half, pipelined = VARIANTS[variant]
     block_m, block_n, block_k, num_warps, num_stages = config["tile"]
     block_k, chunking = tile_for(w, block_k)
     args, consts = kernel_args(w)
     grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(w.shape[0], block_n))
-    call = _variant_kernel.warmup if warmup else _variant_kernel.__getitem__(grid)
+    kernel = _pipelined_kernel if pipelined else _variant_kernel
+    call = kernel.warmup if warmup else kernel.__getitem__(grid)
     extra = {"grid": grid} if warmup else {}
+    variant_args = {"SWAP": swap, "HALF": half} if pipelined else {"SWAP": swap, "NATURAL": natural, "HALF": half}
     return call(x, out, *args, x.shape[0], w.shape[0], w.shape[1], x.stride(0), out.stride(0), **consts,
-                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **chunking, SWAP=swap, NATURAL=natural, HALF=half,
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **chunking, **variant_args,
                 UPCAST=dot_upcast(), num_warps=num_warps, num_stages=num_stages, **extra)
 
 
