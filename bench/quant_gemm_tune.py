@@ -56,6 +56,40 @@ FIXED_VARIANTS = ("shipped", "widened")  # no tiles to sweep
 
 
 @triton.jit
+def _tile_start(x_ptr, M, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+    """(offs_m, offs_n, m_mask, x row offsets, a zero accumulator: [BN, BM] when SWAP, else [BM, BN])."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return offs_m, offs_n, offs_m < M, offs_m.to(tl.int64) * stride_xm, acc
+
+
+@triton.jit
+def _k_order_dot(x_ptr, rows, m_mask, cols, w, acc, SWAP: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + x[:, cols] @ w^T (w [BN, BK] in K order), or its transpose when SWAP."""
+    if SWAP:
+        xt = tl.load(x_ptr + rows[None, :] + cols[:, None], mask=m_mask[None, :], other=0.0)
+        return mma(w, xt, acc, 'tf32', UPCAST)
+    else:
+        xx = tl.load(x_ptr + rows[:, None] + cols[None, :], mask=m_mask[:, None], other=0.0)
+        return mma(xx, tl.trans(w), acc, 'tf32', UPCAST)
+
+
+@triton.jit
+def _store_tile(y_ptr, acc, offs_m, offs_n, m_mask, N, stride_ym, SWAP: tl.constexpr):
+    y_rows = offs_m.to(tl.int64) * stride_ym
+    if SWAP:
+        tl.store(y_ptr + y_rows[None, :] + offs_n[:, None], cast(acc, y_ptr.dtype.element_ty),
+                 mask=m_mask[None, :] & (offs_n[:, None] < N))
+    else:
+        tl.store(y_ptr + y_rows[:, None] + offs_n[None, :], cast(acc, y_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit
 def _variant_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, stride_qs, stride_qh, stride_s,
                     M, N, K, stride_xm, stride_ym,
                     BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
@@ -63,28 +97,15 @@ def _variant_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, stride_qs
                     CHUNK: tl.constexpr, GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr,
                     SWAP: tl.constexpr, NATURAL: tl.constexpr, HALF: tl.constexpr,
                     UPCAST: tl.constexpr):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    rows = offs_m.to(tl.int64) * stride_xm
+    offs_m, offs_n, m_mask, rows, acc = _tile_start(x_ptr, M, stride_xm, BLOCK_M, BLOCK_N, SWAP)
     act = x_ptr.dtype.element_ty
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w_lo, w_hi, cols_lo, cols_hi, in_k = act_planes(
             qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
             ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, HALF, act)
         if NATURAL:
             w = planes_in_k_order(w_lo, w_hi, BLOCK_N, BLOCK_K)
-            cols = k0 + tl.arange(0, BLOCK_K)
-            if SWAP:
-                xt = tl.load(x_ptr + rows[None, :] + cols[:, None], mask=m_mask[None, :], other=0.0)
-                acc = mma(w, xt, acc, 'tf32', UPCAST)
-            else:
-                xx = tl.load(x_ptr + rows[:, None] + cols[None, :], mask=m_mask[:, None], other=0.0)
-                acc = mma(xx, tl.trans(w), acc, 'tf32', UPCAST)
+            acc = _k_order_dot(x_ptr, rows, m_mask, k0 + tl.arange(0, BLOCK_K), w, acc, SWAP, UPCAST)
         else:
             if SWAP:
                 xt_lo = tl.load(x_ptr + rows[None, :] + cols_lo[:, None], mask=m_mask[None, :], other=0.0)
@@ -96,13 +117,7 @@ def _variant_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, stride_qs
                 x_hi = tl.load(x_ptr + rows[:, None] + cols_hi[None, :], mask=m_mask[:, None], other=0.0)
                 acc = mma(x_lo, tl.trans(w_lo), acc, 'tf32', UPCAST)
                 acc = mma(x_hi, tl.trans(w_hi), acc, 'tf32', UPCAST)
-    y_rows = offs_m.to(tl.int64) * stride_ym
-    if SWAP:
-        tl.store(y_ptr + y_rows[None, :] + offs_n[:, None], cast(acc, y_ptr.dtype.element_ty),
-                 mask=m_mask[None, :] & (offs_n[:, None] < N))
-    else:
-        tl.store(y_ptr + y_rows[:, None] + offs_n[None, :], cast(acc, y_ptr.dtype.element_ty),
-                 mask=m_mask[:, None] & (offs_n[None, :] < N))
+    _store_tile(y_ptr, acc, offs_m, offs_n, m_mask, N, stride_ym, SWAP)
 
 
 @triton.jit
@@ -114,40 +129,19 @@ def _pipelined_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, stride_
                       SWAP: tl.constexpr, HALF: tl.constexpr, UPCAST: tl.constexpr):
     """The K-order variants with the next K tile widened before this tile's dot (carried across the loop),
     so the dot's asynchronous MMA has the next tile's integer work to overlap."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    rows = offs_m.to(tl.int64) * stride_xm
+    offs_m, offs_n, m_mask, rows, acc = _tile_start(x_ptr, M, stride_xm, BLOCK_M, BLOCK_N, SWAP)
     act = x_ptr.dtype.element_ty
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_lo, w_hi, _, _, _ = act_planes(
         qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, 0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
         ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, HALF, act)
     for k0 in range(0, K, BLOCK_K):
         w = planes_in_k_order(w_lo, w_hi, BLOCK_N, BLOCK_K)
-        cols = k0 + tl.arange(0, BLOCK_K)
-        if SWAP:
-            xt = tl.load(x_ptr + rows[None, :] + cols[:, None], mask=m_mask[None, :], other=0.0)
-        else:
-            xx = tl.load(x_ptr + rows[:, None] + cols[None, :], mask=m_mask[:, None], other=0.0)
         # past the last tile every load is masked (zeros): no bounds check needed
         w_lo, w_hi, _, _, _ = act_planes(
             qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0 + BLOCK_K, N, K, stride_qs, stride_qh, stride_s, BITS,
             GROUP, ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, HALF, act)
-        if SWAP:
-            acc = mma(w, xt, acc, 'tf32', UPCAST)
-        else:
-            acc = mma(xx, tl.trans(w), acc, 'tf32', UPCAST)
-    y_rows = offs_m.to(tl.int64) * stride_ym
-    if SWAP:
-        tl.store(y_ptr + y_rows[None, :] + offs_n[:, None], cast(acc, y_ptr.dtype.element_ty),
-                 mask=m_mask[None, :] & (offs_n[:, None] < N))
-    else:
-        tl.store(y_ptr + y_rows[:, None] + offs_n[None, :], cast(acc, y_ptr.dtype.element_ty),
-                 mask=m_mask[:, None] & (offs_n[None, :] < N))
+        acc = _k_order_dot(x_ptr, rows, m_mask, k0 + tl.arange(0, BLOCK_K), w, acc, SWAP, UPCAST)
+    _store_tile(y_ptr, acc, offs_m, offs_n, m_mask, N, stride_ym, SWAP)
 
 
 def gptq_weight(n: int, k: int, device: str = "cuda", zeros: bool = False) -> IntPackedWeight:
