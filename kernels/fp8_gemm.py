@@ -4,7 +4,7 @@ rows (up to MAX_FP8_GEMV_ROWS) go to the weight-only `fp8_gemv` instead.
 The weight is e4m3 [N, K] with one fp32 scale per [block_n, block_k] block: per tensor (N, K), per
 output channel (1, K) or block-wise (128, 128: DeepSeek-V3 / Qwen3-*-FP8 `weight_scale_inv`). The
 activations are quantized at run time to e4m3 with one scale per row and block_k columns
-(`quantize_fp8_groups`), so every K tile of the Triton kernel has one scale per row of x and one per
+(`kernels.fp8_quant.quantize_fp8_rows`), so every K tile of the Triton kernel has one scale per row of x and one per
 block of w: it accumulates each tile's fp8 dot in fp32 and adds it scaled by their product.
 Per-tensor and per-channel weights on a CUDA device go to torch's `_scaled_mm` (cuBLASLt) instead.
 """
