@@ -78,7 +78,10 @@ def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
     num_groups = triton.cdiv(k, group)
     padded = torch.nn.functional.pad(x.float(), (0, num_groups * group - k))
     groups = padded.view(m, num_groups, group)
-    scale = (groups.abs().amax(-1) / FP8_MAX).clamp(min=MIN_SCALE)
+    amax = groups.abs().amax(-1)
+    # NOTE: a tensor divisor, not the number: CUDA torch divides by a scalar as a multiply by its reciprocal
+    # (an ulp off IEEE division at times), and the Triton quantizer divides as IEEE does on every device.
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
     q = (groups / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(m, -1)[:, :k].contiguous(), scale
 
