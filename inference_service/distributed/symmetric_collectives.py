@@ -4,8 +4,9 @@ A decode step of a TP2 Llama-3-8B sums 65 activations of a few KiB each; inside 
 NCCL takes 16-24 us for each (bench/gpu_tp.py's allreduce case), PyTorch's one-shot all-reduce
 (`torch.ops.symm_mem.one_shot_all_reduce_copy`: a barrier, a copy, the peers' reads, a barrier) ~7 us.
 Here every rank maps its peers' buffers (symmetric memory) and `kernels.all_reduce` does the sum in one
-kernel with one flag exchange and no reads over NVLink, launched like the step's other kernels
-(programmatic dependent launch): 161 of them in a graph on two H100s 0.82 ms, NCCL's 3.35 (2026-11-27).
+kernel with no flag exchange (each word travels with its call's number) and no reads over NVLink, launched
+like the step's other kernels (programmatic dependent launch): 161 of them in a graph on two H100s 0.82 ms
+with the flag exchange it had before, NCCL's 3.35 (2026-11-27).
 The step's inputs (token ids, positions, slots, block tables) reach the other ranks through the same
 kernel's broadcast, where NCCL took ~6 us a tensor and broke the chain of early launches.
 It is the latency-bound regime only: messages above `max_bytes` (prefill) go to NCCL, whose bandwidth wins.
@@ -49,13 +50,12 @@ class SymmetricCollectives:
         # is the same on every rank.
         world_size = dist.get_world_size()
         data = symm_mem.empty(OneShotCollectives.buffer_bytes(max_bytes, world_size), dtype=torch.uint8, device=device)
-        flags = symm_mem.empty(OneShotCollectives.flag_count(max_bytes, world_size), dtype=torch.int32, device=device)
-        flags.zero_()
-        peer_ptrs = [_peer_ptrs(t, symm_mem.rendezvous(t, group_name)) for t in (data, flags)]
-        self._buffers = (data, flags)  # the mappings live as long as these tensors
-        self._kernel = OneShotCollectives(dist.get_rank(), world_size, *peer_ptrs, max_bytes, device)
+        data.zero_()  # call numbers 0: no call's
+        peer_ptrs = _peer_ptrs(data, symm_mem.rendezvous(data, group_name))
+        self._buffer = data  # the mappings live as long as this tensor
+        self._kernel = OneShotCollectives(dist.get_rank(), world_size, peer_ptrs, max_bytes, device)
         torch.cuda.synchronize(device)
-        dist.barrier()  # no rank's first flag reaches a peer before that peer zeroed its flags
+        dist.barrier()  # no rank's first words reach a peer before that peer zeroed its buffer
 
     @classmethod
     def try_create(cls, device: torch.device, world_size: int) -> SymmetricCollectives | None:
