@@ -178,18 +178,12 @@ def attention_section(results: dict, batch: int, context: int, configs=ATTENTION
 
 def profile_section(results: dict, out_dir: str, batch: int = 1, context: int = 128, steps: int = 20,
                     kv_cache_dtype: str = "auto", config: str = "llama-3-8b", quantization: str = "") -> None:
-    import dataclasses
-
     from torch.profiler import ProfilerActivity, profile
 
     import gpu_perf
     from inference_service.engine.sampling_params import SamplingParams
-    from inference_service.model.quantization import quantize_loaded_model, summarize_model
 
-    loaded, _ = gpu_perf.load_llama(config)
-    if quantization:  # in situ, from the dummy bf16 weights, as `serve --quantization` does
-        model = quantize_loaded_model(loaded.model, quantization)
-        loaded = dataclasses.replace(loaded, model=model, quantization=summarize_model(model, quantization))
+    loaded, _ = gpu_perf.load_llama(config, quantization)  # in situ, from the dummy bf16 weights
     engine = gpu_perf._engine(loaded, max_num_seqs=max(batch, 256), kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
     for i in range(batch):

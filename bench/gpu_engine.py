@@ -218,6 +218,8 @@ def main() -> None:
     parser.add_argument("--decode-modes", default=",".join(gpu_perf.DECODE_MODES),
                         help="comma-separated modes of the decode section")
     parser.add_argument("--llama-config", default="llama-3-8b", help="folder under bench/configs for the perf sections")
+    parser.add_argument("--llama-quantization", default="", help="fp8, int8 or int4: the perf sections' model "
+                        "quantized in situ (as `serve --quantization`)")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     parser.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per correctness prompt")
     args = parser.parse_args()
@@ -250,7 +252,7 @@ def main() -> None:
     section("grpc_smol", gpu_perf.grpc_smol, results)
     llama_sections = {"decode", "cpu_step", "ttft", "offline", "offline_fp8"}
     if (only & llama_sections if only else llama_sections - skip):
-        loaded, load_s = gpu_perf.load_llama(args.llama_config)
+        loaded, load_s = gpu_perf.load_llama(args.llama_config, args.llama_quantization)
         results["llama_load_seconds"] = round(load_s, 1)
         section("decode", gpu_perf.decode, loaded, results, modes=tuple(args.decode_modes.split(",")))
         section("cpu_step", gpu_perf.cpu_step, loaded, results)

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import tempfile
@@ -33,9 +34,16 @@ from inference_service.engine.sampling_params import SamplingParams
 from inference_service.model.loader import load_model
 
 
-def load_llama(config: str = "llama-3-8b"):
+def load_llama(config: str = "llama-3-8b", quantization: str = ""):
+    """(the dummy-weight model of bench/configs/`config`, seconds it took); `quantization` (fp8, int8, int4)
+    quantizes it in situ as `serve --quantization` does."""
     t0 = time.perf_counter()
     loaded = load_model(os.path.join(CONFIGS, config), device=common.DEVICE, dtype=torch.bfloat16, load_format="dummy")
+    if quantization:
+        from inference_service.model.quantization import quantize_loaded_model, summarize_model
+
+        model = quantize_loaded_model(loaded.model, quantization)
+        loaded = dataclasses.replace(loaded, model=model, quantization=summarize_model(model, quantization))
     return loaded, time.perf_counter() - t0
 
 
@@ -247,7 +255,8 @@ def offline(loaded, results: dict, num_requests: int, prompt_len: int = 1000, ou
                            "wall_s": round(sum(wall_ms[i] for i in idx) / 1e3, 1),
                            "gpu_idle_before_s": round(sum(idle[i] for i in idx) / 1e3, 2)}
         split["idle_gaps"] = _idle_gaps(idle, gpu_timer)
-    key = f"offline_{'fp8' if kv_cache_dtype == 'fp8' else 'bf16'}_kv_seqs{max_num_seqs}"
+    weights = loaded.quantization.quantization if loaded.quantization else "none"
+    key = f"offline_{weights.replace(' ', '_') + '_weights_' if weights != 'none' else ''}{'fp8' if kv_cache_dtype == 'fp8' else 'bf16'}_kv_seqs{max_num_seqs}"
     results[key] = {
         "requests": num_requests, "max_num_seqs": max_num_seqs, "prompt_tokens": prompt_len, "output_tokens": output_len,
         "finished": not engine.has_unfinished, "elapsed_s": round(elapsed, 1), "output_tokens_done": num_out,
