@@ -92,7 +92,7 @@ def _one_shot_kernel(
     words = tl.load(x_ptr + offs, mask=mask, other=0)
     # Pushed, not pulled: stores to a peer are posted, and each rank then reads its own memory; reading
     # the peers' buffers instead would add a round trip over NVLink.
-    pairs = flag | words.to(tl.uint32).to(tl.int64)
+    pairs = flag | words.to(tl.uint32).to(tl.int64)  # zero-extended: the high half is the call number
     for peer in tl.static_range(WORLD):
         if peer != rank:
             peer_data = tl.multiple_of(tl.load(data_ptrs + peer).to(tl.pointer_type(tl.int64)), 16)
