@@ -25,7 +25,7 @@ EXTENSION = load_extension()
 # Where a C++ compiler exists the extension must build: a broken build would otherwise pass as "skipped"
 # while every GGUF silently ran expanded.
 pytestmark = pytest.mark.skipif(EXTENSION is None and shutil.which("c++") is None, reason="no C++ compiler here")
-ISAS = ("avx512", "avx2", "scalar")
+ISAS = ("amx", "avx512", "avx2", "scalar")
 
 
 def random_blocks(qtype: QuantType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -43,10 +43,16 @@ def test_extension_builds():
 
 @pytest.fixture(params=ISAS)
 def isa(request):
-    """Every SIMD path this CPU has (a path it lacks falls back to the next one down)."""
-    EXTENSION.limit_instruction_set(request.param)
+    """Every SIMD path this CPU has (a path it lacks falls back to the next one down; AMX is skipped where
+    missing, as the AVX-512 path runs already). AMX takes every call here, however few its rows."""
+    in_effect = EXTENSION.limit_instruction_set(request.param)
+    if request.param == "amx" and in_effect != "amx":
+        EXTENSION.limit_instruction_set("amx")
+        pytest.skip(f"no AMX here ({in_effect})")
+    min_rows = EXTENSION.set_amx_min_rows(1)
     yield request.param
-    EXTENSION.limit_instruction_set("avx512")
+    EXTENSION.set_amx_min_rows(min_rows)
+    EXTENSION.limit_instruction_set("amx")  # no cap: the best path this CPU has
 
 
 @pytest.mark.parametrize("qtype", list(QuantType), ids=lambda t: t.name)
@@ -62,10 +68,11 @@ def test_blocks_decode_as_gguf_dequantizes_them(qtype):
 @pytest.mark.parametrize("qtype", list(QuantType), ids=lambda t: t.name)
 def test_matmul_matches_float64_reference(qtype, isa):
     rng = np.random.default_rng()
-    # Odd row counts (a weight row left over after the pairs), several widths, and every batch 1..17.
-    for rows, cols in ((1, 32), (37, 96), (66, 160), (5, 576)):
+    # Odd weight row counts (a row left over after the pairs, a partial 16-row AMX tile; 250 rows split
+    # over two tasks), several widths, every batch 1..17 and larger ones (several 16-token AMX tiles).
+    for rows, cols in ((1, 32), (37, 96), (66, 160), (5, 576), (250, 576)):
         weight = QuantizedWeight.from_gguf_blocks(random_blocks(qtype, rows, cols, rng), qtype)
-        for num_rows in range(1, 18):
+        for num_rows in [*range(1, 18), 33, 64, 100]:
             x = torch.randn(num_rows, cols)
             out = torch.full((num_rows, rows), float("nan"))
             quant_matmul(x, weight, out)
