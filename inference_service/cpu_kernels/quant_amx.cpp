@@ -90,11 +90,12 @@ AMX_FN inline __m512 bf16_to_float(__m256i v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-// Activations [num_tokens, K] -> B tiles [token tile][block][part] and block sums [token tile][block][16],
-// tokens past num_tokens zero. A part's 32 bf16 of one token are 16 K pairs: one column of the B tile.
+// Activations [num_tokens, K] -> B tiles [token tile][block][part] and block sums [token tile][block][16]
+// for the token tiles [first_tile, last_tile), tokens past num_tokens zero. A part's 32 bf16 of one token
+// are 16 K pairs: one column of the B tile.
 AMX_FN void pack_activations(const float* x, int64_t x_stride, int64_t num_tokens, int64_t num_blocks,
-                             uint8_t* tiles, float* sums) {
-  for (int64_t t0 = 0; t0 < num_tokens; t0 += kTile) {
+                             int64_t first_tile, int64_t last_tile, uint8_t* tiles, float* sums) {
+  for (int64_t t0 = first_tile * kTile; t0 < std::min(num_tokens, last_tile * kTile); t0 += kTile) {
     for (int64_t b = 0; b < num_blocks; ++b) {
       __m512i parts[kParts][kTile];
       alignas(64) float block_sums[kTile];
@@ -210,20 +211,6 @@ AMX_FN void matmul_group(int64_t qtype, const uint8_t* b_tiles, const float* sum
   }
 }
 
-AMX_FN void pack(const float* x, int64_t x_stride, int64_t num_tokens, int64_t num_blocks,
-            PackedActivations& packed) {
-  const int64_t num_tiles = (num_tokens + kTile - 1) / kTile;
-  packed.tiles.resize(num_tiles * num_blocks * kParts * kTileBytes + 64);
-  packed.sums.resize(num_tiles * num_blocks * kTile + 16);
-  packed.num_tokens = num_tokens;
-  uint8_t* aligned = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(packed.tiles.data()) + 63) & ~uintptr_t{63});
-  float* sums = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(packed.sums.data()) + 63) & ~uintptr_t{63});
-  pack_activations(x, x_stride, num_tokens, num_blocks, aligned, sums);
-  compiler_barrier();
-  packed.tile_data = aligned;
-  packed.sum_data = sums;
-}
-
 AMX_FN void matmul_rows(int64_t qtype, const PackedActivations& packed, const uint8_t* qs, const uint16_t* scales,
                         const uint16_t* mins, int64_t num_blocks, float* out, int64_t out_stride, int64_t first,
                         int64_t last) {
@@ -264,9 +251,20 @@ bool amx_available() {
 
 // NOTE: the exported functions carry no target attribute (see quant_avx512.cpp); callers check
 // amx_available() first.
-void pack_activations_amx(const float* x, int64_t x_stride, int64_t num_tokens, int64_t num_blocks,
-                          PackedActivations& packed) {
-  pack(x, x_stride, num_tokens, num_blocks, packed);
+void reserve_activations_amx(int64_t num_tokens, int64_t num_blocks, PackedActivations& packed) {
+  const int64_t num_tiles = (num_tokens + kTile - 1) / kTile;
+  packed.tiles.resize(num_tiles * num_blocks * kParts * kTileBytes + 64);
+  packed.sums.resize(num_tiles * num_blocks * kTile + 16);
+  packed.num_tokens = num_tokens;
+  packed.num_blocks = num_blocks;
+  packed.tile_data = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(packed.tiles.data()) + 63) & ~uintptr_t{63});
+  packed.sum_data = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(packed.sums.data()) + 63) & ~uintptr_t{63});
+}
+
+void pack_activations_amx(const float* x, int64_t x_stride, int64_t first_tile, int64_t last_tile,
+                          const PackedActivations& packed) {
+  pack_activations(x, x_stride, packed.num_tokens, packed.num_blocks, first_tile, last_tile, packed.tile_data,
+                   packed.sum_data);
 }
 
 void matmul_rows_amx(int64_t qtype, const PackedActivations& packed, const uint8_t* qs, const uint16_t* scales,

@@ -208,7 +208,9 @@ Isa g_forced_isa = Isa::kAmx;
 Isa active_isa() { return std::min(detect_isa(), g_forced_isa); }
 
 // Calls with fewer activation rows take the AVX-512 path where AMX is active (it wins from about here).
-int64_t g_amx_min_rows = 8;
+int64_t g_amx_min_rows = 10;
+// The AMX path's activation rows a pass (64 rows of K = 1536 pack to 576 KiB).
+constexpr int64_t kAmxMaxTokens = 64;
 
 }  // namespace
 
@@ -249,12 +251,19 @@ void quant_matmul(const torch::Tensor& x, const torch::Tensor& qs, const torch::
     thread_local PackedActivations packed_here;
     // NOTE: a pointer, as a lambda does not capture a thread_local: the workers would read their own.
     const PackedActivations* packed = &packed_here;
-    pack_activations_amx(xp, x_stride, num_rows, num_blocks, packed_here);
     // Grain: ~64 KiB of quants a task, whole 16-row tiles.
     const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 16 * num_blocks * qb)) * 16;
-    WorkerPool::instance().run(0, num_weight_rows, grain, [&](int64_t first, int64_t last) {
-      matmul_rows_amx(qtype, *packed, qp, dp, mp, num_blocks, op, out_stride, first, last);
-    });
+    // Tokens in chunks whose packed activations stay in L2 while every weight row passes over them.
+    for (int64_t n0 = 0; n0 < num_rows; n0 += kAmxMaxTokens) {
+      const int64_t num_tokens = std::min(kAmxMaxTokens, num_rows - n0);
+      reserve_activations_amx(num_tokens, num_blocks, packed_here);
+      WorkerPool::instance().run(0, (num_tokens + 15) / 16, 1, [&](int64_t first, int64_t last) {
+        pack_activations_amx(xp + n0 * x_stride, x_stride, first, last, *packed);
+      });
+      WorkerPool::instance().run(0, num_weight_rows, grain, [&](int64_t first, int64_t last) {
+        matmul_rows_amx(qtype, *packed, qp, dp, mp, num_blocks, op + n0 * out_stride, out_stride, first, last);
+      });
+    }
     return;
   }
   // Grain: enough weight rows that a task streams ~64 KiB of quants, and an even count (rows go in pairs).
