@@ -60,7 +60,8 @@ def main() -> None:
         for isa, isa_times in times.items():
             isa_times.sort()
             median = isa_times[len(isa_times) // 2]
-            print(f"{'batch ' + str(batch):<9}{'' if isa is None else ' ' + isa:<8}: median step {median * 1000:.1f} ms, "
+            label = f"batch {batch}" + ("" if isa is None else f" {isa}")
+            print(f"{label:<16}: median step {median * 1000:.1f} ms, "
                   f"min {isa_times[0] * 1000:.1f} ms -> {batch / median:.1f} tok/s (best {batch / isa_times[0]:.1f})")
     if ext is not None:
         ext.limit_instruction_set("amx")

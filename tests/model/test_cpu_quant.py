@@ -19,7 +19,7 @@ from inference_service.cpu_kernels.quant import (
     quant_matmul,
     quant_matmul_ref,
 )
-from inference_service.model.gguf_linear import MAX_QUANTIZED_MATMUL_ROWS, GGUFLinear
+from inference_service.model.gguf_linear import MAX_QUANTIZED_MATMUL_ROWS, GGUFLinear, expands_for
 
 EXTENSION = load_extension()
 # Where a C++ compiler exists the extension must build: a broken build would otherwise pass as "skipped"
@@ -109,8 +109,9 @@ def test_bad_shapes_are_refused():
         QuantizedWeight(QuantType.Q4_0, weight.qs[:, :16], weight.scales, weight.mins)
 
 
-def test_linear_stacks_parts_and_expands_for_large_batches():
-    """q, k, v rows of different types in one layer; small batches run in blocks, large ones dense."""
+def test_linear_stacks_parts_and_expands_for_large_batches(isa):
+    """q, k, v rows of different types in one layer; small batches run in blocks, large ones dense (in
+    blocks too where the AMX path runs them)."""
     rng = np.random.default_rng()
     parts = [QuantizedWeight.from_gguf_blocks(random_blocks(t, n, 64, rng), t)
              for t, n in ((QuantType.Q4_1, 6), (QuantType.Q4_1, 3), (QuantType.Q8_0, 3))]
@@ -122,6 +123,8 @@ def test_linear_stacks_parts_and_expands_for_large_batches():
     assert [(first, w.qtype, w.shape[0]) for first, w in linear.quantized] == [(0, QuantType.Q4_1, 9),
                                                                               (9, QuantType.Q8_0, 3)]
     assert linear.weight.numel() == 0  # the float copy is released
+    assert not expands_for(MAX_QUANTIZED_MATMUL_ROWS)
+    assert expands_for(MAX_QUANTIZED_MATMUL_ROWS + 1) == (isa != "amx")
     dense = torch.cat([dequantize_ref(p) for p in parts])
     for num_rows in (1, MAX_QUANTIZED_MATMUL_ROWS, MAX_QUANTIZED_MATMUL_ROWS + 1):
         x = torch.randn(num_rows, 64)
@@ -151,7 +154,8 @@ def test_packed_model_generates_what_the_dequantized_model_does(smollm, smollm_d
     got = PagedHarness(smollm.model, num_blocks=128, block_size=16).generate(prompts, 32)
     expected = PagedHarness(smollm_dequantized.model, num_blocks=128, block_size=16).generate(prompts, 32)
     assert got == expected
-    # The prompts' prefill runs the dense path (more rows than MAX_QUANTIZED_MATMUL_ROWS): check one row.
+    # The prompts' prefill runs the dense path without AMX (more rows than MAX_QUANTIZED_MATMUL_ROWS), the
+    # blocks with it: check one row.
     long_prompt = [ids for ids in smollm_prompts if len(ids) > MAX_QUANTIZED_MATMUL_ROWS][0]
     logits = PagedHarness(smollm.model).step([long_prompt], [0], [[]])
     reference = PagedHarness(smollm_dequantized.model).step([long_prompt], [0], [[]])
