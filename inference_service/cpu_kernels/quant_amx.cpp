@@ -1,12 +1,12 @@
 // The AMX-BF16 path of the quantized matmul (the layout and the other paths: quant_matmul.cpp).
 //
-// out^T = W x^T with the weights as the tiles' A operand: an A tile is 16 weight rows x one 32-element
-// block, K contiguous as GGUF stores it, holding the block's integer codes (Q4_0 q - 8, Q4_1 q, Q8_0 q),
-// which bf16 represents exactly. The activations are the B operand, packed once a call in the VNNI
-// layout (a B tile row is one K pair for 16 tokens). Each fp32 activation is split into bf16 parts
-// x = hi + mid + lo, exact for fp32, so every code x part product is exact and TDPBF16PS sums them in
-// fp32: C[r][n] = sum over the block of q * x. The block's scale then applies in fp32 registers,
-// acc[r] += d[r][b] * C[r] (and Q4_1's acc[r] += m[r][b] * sum of the block's x), which is the
+// out^T = W x^T with the weights as the tiles' A operand (no weight transposes: an A tile row is K
+// contiguous, as GGUF stores a row): an A tile is 16 weight rows x one 32-element block of integer
+// codes (Q4_0 q - 8, Q4_1 q, Q8_0 q), which bf16 represents exactly. The activations are the B operand,
+// packed once a call in the VNNI layout (a B tile row is one K pair for 16 tokens). Each fp32 activation
+// is split into bf16 parts x = hi + mid + lo, exact for fp32, so every code x part product is exact and
+// TDPBF16PS sums them in fp32: C[r][n] = sum over the block of q * x. The block's scale then applies in
+// fp32 registers, acc[r] += d[r][b] * C[r] (and Q4_1's acc[r] += m[r][b] * sum of the block's x): the
 // dequantized fp32 model up to summation order.
 //
 //   A tile (weights)        B tile (one part)                 C tile
@@ -170,10 +170,12 @@ AMX_FN inline void halves_to_floats(const uint16_t* h, int64_t n, float* out) {
 
 struct Scratch {
   std::vector<uint16_t> a;  // A tiles of one row group, plus 64 bytes of slack to align them
-  std::vector<float> d, m;                            // the group's scales and mins [16][num_blocks]
+  std::vector<float> d, m;  // the group's scales and mins [16][num_blocks]; rows past the weight's unset
 };
 
-AMX_FN void matmul_group(int64_t qtype, const uint8_t* b_tiles, const float* sums, int64_t num_tokens,
+// out[n, r] for one group of up to 16 weight rows (num_rows) and every token, from its widened A tiles.
+// Rows past num_rows compute garbage (their scales are unset) that the masked stores leave out.
+AMX_FN void matmul_group(const uint8_t* b_tiles, const float* sums, int64_t num_tokens,
                          int64_t num_blocks, const uint16_t* a_tiles, const float* d, const float* m,
                          int64_t num_rows, float* out, int64_t out_stride) {
   alignas(64) float c[kTile * kTile];
@@ -225,10 +227,9 @@ AMX_FN void matmul_rows(int64_t qtype, const PackedActivations& packed, const ui
     const int64_t num_rows = std::min<int64_t>(kTile, last - r0);
     widen_weights(qtype, qs + r0 * num_blocks * qb, num_blocks, num_rows, a_tiles);
     compiler_barrier();
-    std::fill(scratch.d.begin(), scratch.d.end(), 0.f);
     halves_to_floats(scales + r0 * num_blocks, num_rows * num_blocks, scratch.d.data());
     if (mins) halves_to_floats(mins + r0 * num_blocks, num_rows * num_blocks, scratch.m.data());
-    matmul_group(qtype, packed.tile_data, packed.sum_data, packed.num_tokens, num_blocks, a_tiles,
+    matmul_group(packed.tile_data, packed.sum_data, packed.num_tokens, num_blocks, a_tiles,
                  scratch.d.data(), mins ? scratch.m.data() : nullptr, num_rows, out + r0, out_stride);
   }
   _tile_release();
