@@ -1,7 +1,10 @@
 """Decode step time of the embedded SmolLM2's bare model (no engine, no scheduler) through the paged test
 harness, per batch size: what the model itself costs a token on this machine.
 
-    python bench/model_step.py [--batch 1 16] [--steps 40]
+    python bench/model_step.py [--batch 1 16] [--steps 40] [--isa amx avx512 --rounds 3]
+
+With several `--isa`, the quantized matmul's paths alternate round by round in one process (this machine's
+speed drifts between minutes), and each path's median over all its steps is reported.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from inference_service.cpu_kernels.quant import load_extension  # noqa: E402
 from inference_service.model.loader import load_model  # noqa: E402
 from tests.model.harness import PagedHarness  # noqa: E402
 
@@ -38,17 +42,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="batch sizes to time")
     parser.add_argument("--steps", type=int, default=40, help="decode steps timed per batch size")
+    parser.add_argument("--isa", nargs="+", default=[None], help="quantized matmul paths to alternate (amx, avx512)")
+    parser.add_argument("--rounds", type=int, default=1, help="alternations of the --isa paths")
     args = parser.parse_args()
     loaded = load_model(None)
     harness = PagedHarness(loaded.model, num_blocks=512)
     tok = loaded.tokenizer
     prompt_ids = tok.encode(tok.apply_chat_template(PROMPT), add_special_tokens=False)
+    ext = load_extension()
     for batch in args.batch:
-        times = step_times(harness, prompt_ids, batch, args.steps)
-        median = times[len(times) // 2]
-        print(f"batch {batch}: median step {median * 1000:.1f} ms, min {times[0] * 1000:.1f} ms "
-              f"-> {batch / median:.1f} tok/s (best {batch / times[0]:.1f})")
-
+        times: dict[str | None, list[float]] = {isa: [] for isa in args.isa}
+        for _ in range(args.rounds):
+            for isa in args.isa:
+                if isa is not None:
+                    ext.limit_instruction_set(isa)
+                times[isa].extend(step_times(harness, prompt_ids, batch, args.steps))
+        for isa, isa_times in times.items():
+            isa_times.sort()
+            median = isa_times[len(isa_times) // 2]
+            label = f"batch {batch}" + ("" if isa is None else f" {isa}")
+            print(f"{label:<16}: median step {median * 1000:.1f} ms, "
+                  f"min {isa_times[0] * 1000:.1f} ms -> {batch / median:.1f} tok/s (best {batch / isa_times[0]:.1f})")
+    if ext is not None:
+        ext.limit_instruction_set("amx")
 
 if __name__ == "__main__":
     main()

@@ -8,6 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &dequantize_rows, "dequant(W)[rows] as float32");
   m.def("instruction_set", &instruction_set, "the SIMD path in use on this CPU");
   m.def("limit_instruction_set", &limit_instruction_set, "cap the SIMD path (for tests and comparisons)");
+  m.def("set_amx_min_rows", &set_amx_min_rows, "fewest activation rows for the AMX path; returns the previous");
   m.def("add_rms_norm", &add_rms_norm, "hidden += delta (if given), then weight * hidden / rms(hidden)");
   m.def("rotary_", &rotary_, "x = x * cos + rotate_half(x) * sin, in place");
   m.def("paged_decode_attention", &paged_decode_attention,

@@ -15,6 +15,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& qs, const torch::Tensor& scal
                               int64_t qtype, const torch::Tensor& rows);
 std::string instruction_set();
 std::string limit_instruction_set(const std::string& name);
+int64_t set_amx_min_rows(int64_t num_rows);
 bool uses_avx512();  // the path in effect is AVX-512 (the attention's SIMD path follows it too)
 
 // norm_rope.cpp: the decoder's small per-layer ops, one call each instead of several torch ops.

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace quant {
 
@@ -16,5 +17,22 @@ void matmul_rows_avx512(int64_t qtype, const float* x, int64_t x_stride, int64_t
                         int64_t out_stride, int64_t first, int64_t last);
 void dequant_row_avx512(int64_t qtype, const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t num_blocks,
                         float* w);
+
+// quant_amx.cpp: the AMX-BF16 path. The activations are packed once a call (16-token tiles, on any
+// threads), then any thread computes out[n, r] for weight rows [first, last) from them.
+struct PackedActivations {
+  std::vector<uint8_t> tiles;  // storage of the B tiles, aligned within
+  std::vector<float> sums;     // storage of each block's activation sum (Q4_1's mins), aligned within
+  uint8_t* tile_data = nullptr;
+  float* sum_data = nullptr;
+  int64_t num_tokens = 0, num_blocks = 0;
+};
+bool amx_available();  // the CPU has AMX-BF16 and the kernel lets this process use the tiles
+void reserve_activations_amx(int64_t num_tokens, int64_t num_blocks, PackedActivations& packed);
+void pack_activations_amx(const float* x, int64_t x_stride, int64_t first_tile, int64_t last_tile,
+                          const PackedActivations& packed);
+void matmul_rows_amx(int64_t qtype, const PackedActivations& packed, const uint8_t* qs, const uint16_t* scales,
+                     const uint16_t* mins, int64_t num_blocks, float* out, int64_t out_stride, int64_t first,
+                     int64_t last);
 
 }  // namespace quant

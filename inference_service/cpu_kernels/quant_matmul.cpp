@@ -11,7 +11,8 @@
 // is there, with fp32 activations and fp32 accumulation, so results are the dequantized model's up to
 // summation order.
 //
-// Paths, chosen at run time: AVX-512 (quant_avx512.cpp), AVX2 + FMA, and a scalar one for other CPUs.
+// Paths, chosen at run time: AMX-BF16 for calls of at least g_amx_min_rows activation rows (quant_amx.cpp),
+// AVX-512 (quant_avx512.cpp), AVX2 + FMA, and a scalar one for other CPUs.
 
 #include "ops.h"
 #include "quant_blocks.h"
@@ -24,6 +25,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <utility>
 
 using namespace quant;
 
@@ -189,12 +191,12 @@ AVX2_FN void dequant_row_avx2(int64_t qtype, const uint8_t* q, const uint16_t* d
   }
 }
 
-enum class Isa { kScalar, kAvx2, kAvx512 };
+enum class Isa { kScalar, kAvx2, kAvx512, kAmx };
 
 Isa detect_isa() {
   static const Isa isa = [] {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-      return Isa::kAvx512;
+      return amx_available() ? Isa::kAmx : Isa::kAvx512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
     return Isa::kScalar;
   }();
@@ -202,8 +204,13 @@ Isa detect_isa() {
 }
 
 // The path a call takes: the best this CPU has, or a lower one forced (tests run every path they can).
-Isa g_forced_isa = Isa::kAvx512;
+Isa g_forced_isa = Isa::kAmx;
 Isa active_isa() { return std::min(detect_isa(), g_forced_isa); }
+
+// Calls with fewer activation rows take the AVX-512 path where AMX is active (it wins from about here).
+int64_t g_amx_min_rows = 10;
+// The AMX path's activation rows a pass (64 rows of K = 1536 pack to 576 KiB).
+constexpr int64_t kAmxMaxTokens = 64;
 
 }  // namespace
 
@@ -239,10 +246,31 @@ void quant_matmul(const torch::Tensor& x, const torch::Tensor& qs, const torch::
   float* op = out.data_ptr<float>();
   const int64_t num_rows = x.size(0), x_stride = x.stride(0), out_stride = out.stride(0);
   const Isa isa = active_isa();
+  const int64_t qb = quant_bytes_per_block(qtype);
+  if (isa == Isa::kAmx && num_rows >= g_amx_min_rows) {
+    thread_local PackedActivations packed_here;
+    // NOTE: a pointer, as a lambda does not capture a thread_local: the workers would read their own.
+    const PackedActivations* packed = &packed_here;
+    // Grain: ~64 KiB of quants a task, whole 16-row tiles.
+    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 16 * num_blocks * qb)) * 16;
+    // Tokens in chunks whose packed activations stay in L2 while every weight row passes over them.
+    for (int64_t n0 = 0; n0 < num_rows; n0 += kAmxMaxTokens) {
+      const int64_t num_tokens = std::min(kAmxMaxTokens, num_rows - n0);
+      reserve_activations_amx(num_tokens, num_blocks, packed_here);
+      WorkerPool::instance().run(0, (num_tokens + 15) / 16, 1, [&](int64_t first, int64_t last) {
+        pack_activations_amx(xp + n0 * x_stride, x_stride, first, last, *packed);
+      });
+      WorkerPool::instance().run(0, num_weight_rows, grain, [&](int64_t first, int64_t last) {
+        matmul_rows_amx(qtype, *packed, qp, dp, mp, num_blocks, op + n0 * out_stride, out_stride, first, last);
+      });
+    }
+    return;
+  }
   // Grain: enough weight rows that a task streams ~64 KiB of quants, and an even count (rows go in pairs).
-  const int64_t grain = std::max<int64_t>(2, (65536 / std::max<int64_t>(1, num_blocks * quant_bytes_per_block(qtype))) & ~1);
+  const int64_t grain = std::max<int64_t>(2, (65536 / std::max<int64_t>(1, num_blocks * qb)) & ~1);
   WorkerPool::instance().run(0, num_weight_rows, grain, [&](int64_t first, int64_t last) {
     switch (isa) {
+      case Isa::kAmx:
       case Isa::kAvx512:
         matmul_rows_avx512(qtype, xp, x_stride, num_rows, qp, dp, mp, num_blocks, op, out_stride, first, last);
         break;
@@ -289,7 +317,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& qs, const torch::Tensor& scal
       const uint16_t* d = dp + r * num_blocks;
       const uint16_t* m = mp ? mp + r * num_blocks : nullptr;
       float* w = op + i * num_blocks * kBlock;
-      if (isa == Isa::kAvx512) {
+      if (isa >= Isa::kAvx512) {
         dequant_row_avx512(qtype, q, d, m, num_blocks, w);
       } else if (isa == Isa::kAvx2) {
         dequant_row_avx2(qtype, q, d, m, num_blocks, w);
@@ -301,15 +329,32 @@ torch::Tensor dequantize_rows(const torch::Tensor& qs, const torch::Tensor& scal
   return out;
 }
 
-static const char* isa_name(Isa isa) { return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "scalar"; }
+static const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAmx: return "amx";
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
 
 std::string instruction_set() { return isa_name(active_isa()); }
 
-bool uses_avx512() { return active_isa() == Isa::kAvx512; }
+bool uses_avx512() { return active_isa() >= Isa::kAvx512; }
 
-// Caps the path used from now on at `name` ("avx512", "avx2" or "scalar"); returns the path in effect.
+// Caps the path used from now on at `name` ("amx", "avx512", "avx2" or "scalar"); returns the path in effect.
 std::string limit_instruction_set(const std::string& name) {
-  TORCH_CHECK(name == "avx512" || name == "avx2" || name == "scalar", "unknown instruction set ", name);
-  g_forced_isa = name == "avx512" ? Isa::kAvx512 : name == "avx2" ? Isa::kAvx2 : Isa::kScalar;
-  return instruction_set();
+  for (Isa isa : {Isa::kAmx, Isa::kAvx512, Isa::kAvx2, Isa::kScalar}) {
+    if (name == isa_name(isa)) {
+      g_forced_isa = isa;
+      return instruction_set();
+    }
+  }
+  TORCH_CHECK(false, "unknown instruction set ", name);
+}
+
+// Sets the fewest activation rows a call needs to take the AMX path; returns the previous value.
+int64_t set_amx_min_rows(int64_t num_rows) {
+  TORCH_CHECK(num_rows >= 1, "the AMX path needs at least one row, got ", num_rows);
+  return std::exchange(g_amx_min_rows, num_rows);
 }

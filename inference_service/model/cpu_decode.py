@@ -14,7 +14,7 @@ import torch
 
 from inference_service.attention.metadata import AttentionMetadata
 from inference_service.cpu_kernels.quant import load_extension
-from inference_service.model.gguf_linear import MAX_QUANTIZED_MATMUL_ROWS, GGUFLinear
+from inference_service.model.gguf_linear import GGUFLinear, expands_for
 from inference_service.model.norms import RMSNorm
 
 
@@ -64,7 +64,7 @@ class CpuDecodeLayers:
         """Whether this step is decode-only (one token a sequence), within the quantized kernels' batch,
         over a float32 cache (the C++ attention's)."""
         return (metadata.max_query_len == 1 and num_tokens == metadata.seq_lens.shape[0]
-                and num_tokens <= MAX_QUANTIZED_MATMUL_ROWS and kv_caches[0][0].dtype == torch.float32)
+                and not expands_for(num_tokens) and kv_caches[0][0].dtype == torch.float32)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata) -> torch.Tensor:

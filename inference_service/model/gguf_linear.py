@@ -1,9 +1,9 @@
 """`GGUFLinear`: a projection whose rows may come in GGUF blocks, run in place by the CPU kernels.
 
 Rows given as a `QuantizedWeight` (a GGUF's Q4_0 / Q4_1 / Q8_0 tensors) stay in their blocks and are
-read by the C++ kernels (`cpu_kernels/`), a fifth to a quarter of the bytes of float32; a step of many
-rows (prefill) expands them and runs one BLAS matmul, which costs less than dequantizing per row
-there. Rows given as tensors load as in `DenseLinear`; a layer with some of each expands the blocks
+read by the C++ kernels (`cpu_kernels/`), a fifth to a quarter of the bytes of float32; without AMX, a
+step of many rows (prefill) expands them and runs one BLAS matmul, which costs less than dequantizing
+per row there. Rows given as tensors load as in `DenseLinear`; a layer with some of each expands the blocks
 beside the dense rows at `finish_loading` and runs dense.
 """
 
@@ -12,12 +12,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inference_service.cpu_kernels.quant import QuantizedWeight, QuantType, dequantize_rows, quant_matmul
+from inference_service.cpu_kernels.quant import (
+    QuantizedWeight,
+    QuantType,
+    dequantize_rows,
+    load_extension,
+    quant_matmul,
+)
 from inference_service.model.linear import DenseLinear
 
-# Above this many input rows a quantized layer expands its weight and runs one dense matmul: about where
-# the two cost the same for the embedded model on a 2-core CPU (bench/results/cpu-2026-11-25/README.md).
+# Above this many input rows a quantized layer expands its weight and runs one dense matmul, unless the
+# kernels' AMX path runs it: about where the two cost the same for the embedded model on a 2-core CPU
+# without AMX (bench/results/cpu-2026-11-25/README.md); the AMX path beat the dense one at every size
+# measured, to 2048 rows (bench/results/cpu-2026-11-27/README.md).
 MAX_QUANTIZED_MATMUL_ROWS = 48
+
+
+def expands_for(num_rows: int) -> bool:
+    """Whether a quantized layer runs `num_rows` input rows by expanding its weight (dense BLAS)."""
+    return num_rows > MAX_QUANTIZED_MATMUL_ROWS and load_extension().instruction_set() != "amx"
 
 
 class GGUFLinear(DenseLinear):
@@ -77,7 +90,7 @@ class GGUFLinear(DenseLinear):
         if not self.quantized:
             return super().forward(x)
         x = x.contiguous()
-        if x.shape[0] > MAX_QUANTIZED_MATMUL_ROWS:
+        if expands_for(x.shape[0]):
             parts = [dequantize_rows(part) for _, part in self.quantized]
             weight = parts[0] if len(parts) == 1 else torch.cat(parts)  # [out, in]
             return F.linear(x, weight, self.bias)

@@ -19,13 +19,13 @@ from inference_service.cpu_kernels.quant import (
     quant_matmul,
     quant_matmul_ref,
 )
-from inference_service.model.gguf_linear import MAX_QUANTIZED_MATMUL_ROWS, GGUFLinear
+from inference_service.model.gguf_linear import MAX_QUANTIZED_MATMUL_ROWS, GGUFLinear, expands_for
 
 EXTENSION = load_extension()
 # Where a C++ compiler exists the extension must build: a broken build would otherwise pass as "skipped"
 # while every GGUF silently ran expanded.
 pytestmark = pytest.mark.skipif(EXTENSION is None and shutil.which("c++") is None, reason="no C++ compiler here")
-ISAS = ("avx512", "avx2", "scalar")
+ISAS = ("amx", "avx512", "avx2", "scalar")
 
 
 def random_blocks(qtype: QuantType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -43,10 +43,16 @@ def test_extension_builds():
 
 @pytest.fixture(params=ISAS)
 def isa(request):
-    """Every SIMD path this CPU has (a path it lacks falls back to the next one down)."""
-    EXTENSION.limit_instruction_set(request.param)
+    """Every SIMD path this CPU has (a path it lacks falls back to the next one down; AMX is skipped where
+    missing, as the AVX-512 path runs already). AMX takes every call here, however few its rows."""
+    in_effect = EXTENSION.limit_instruction_set(request.param)
+    if request.param == "amx" and in_effect != "amx":
+        EXTENSION.limit_instruction_set("amx")
+        pytest.skip(f"no AMX here ({in_effect})")
+    min_rows = EXTENSION.set_amx_min_rows(1)
     yield request.param
-    EXTENSION.limit_instruction_set("avx512")
+    EXTENSION.set_amx_min_rows(min_rows)
+    EXTENSION.limit_instruction_set("amx")  # no cap: the best path this CPU has
 
 
 @pytest.mark.parametrize("qtype", list(QuantType), ids=lambda t: t.name)
@@ -62,10 +68,11 @@ def test_blocks_decode_as_gguf_dequantizes_them(qtype):
 @pytest.mark.parametrize("qtype", list(QuantType), ids=lambda t: t.name)
 def test_matmul_matches_float64_reference(qtype, isa):
     rng = np.random.default_rng()
-    # Odd row counts (a weight row left over after the pairs), several widths, and every batch 1..17.
-    for rows, cols in ((1, 32), (37, 96), (66, 160), (5, 576)):
+    # Odd weight row counts (a row left over after the pairs, a partial 16-row AMX tile; 250 rows split
+    # over two tasks), several widths, every batch 1..17 and larger ones (several 16-token AMX tiles).
+    for rows, cols in ((1, 32), (37, 96), (66, 160), (5, 576), (250, 576)):
         weight = QuantizedWeight.from_gguf_blocks(random_blocks(qtype, rows, cols, rng), qtype)
-        for num_rows in range(1, 18):
+        for num_rows in [*range(1, 18), 33, 64, 100]:
             x = torch.randn(num_rows, cols)
             out = torch.full((num_rows, rows), float("nan"))
             quant_matmul(x, weight, out)
@@ -102,8 +109,9 @@ def test_bad_shapes_are_refused():
         QuantizedWeight(QuantType.Q4_0, weight.qs[:, :16], weight.scales, weight.mins)
 
 
-def test_linear_stacks_parts_and_expands_for_large_batches():
-    """q, k, v rows of different types in one layer; small batches run in blocks, large ones dense."""
+def test_linear_stacks_parts_and_expands_for_large_batches(isa):
+    """q, k, v rows of different types in one layer; small batches run in blocks, large ones dense (in
+    blocks too where the AMX path runs them)."""
     rng = np.random.default_rng()
     parts = [QuantizedWeight.from_gguf_blocks(random_blocks(t, n, 64, rng), t)
              for t, n in ((QuantType.Q4_1, 6), (QuantType.Q4_1, 3), (QuantType.Q8_0, 3))]
@@ -115,6 +123,8 @@ def test_linear_stacks_parts_and_expands_for_large_batches():
     assert [(first, w.qtype, w.shape[0]) for first, w in linear.quantized] == [(0, QuantType.Q4_1, 9),
                                                                               (9, QuantType.Q8_0, 3)]
     assert linear.weight.numel() == 0  # the float copy is released
+    assert not expands_for(MAX_QUANTIZED_MATMUL_ROWS)
+    assert expands_for(MAX_QUANTIZED_MATMUL_ROWS + 1) == (isa != "amx")
     dense = torch.cat([dequantize_ref(p) for p in parts])
     for num_rows in (1, MAX_QUANTIZED_MATMUL_ROWS, MAX_QUANTIZED_MATMUL_ROWS + 1):
         x = torch.randn(num_rows, 64)
@@ -144,7 +154,8 @@ def test_packed_model_generates_what_the_dequantized_model_does(smollm, smollm_d
     got = PagedHarness(smollm.model, num_blocks=128, block_size=16).generate(prompts, 32)
     expected = PagedHarness(smollm_dequantized.model, num_blocks=128, block_size=16).generate(prompts, 32)
     assert got == expected
-    # The prompts' prefill runs the dense path (more rows than MAX_QUANTIZED_MATMUL_ROWS): check one row.
+    # The prompts' prefill runs the dense path without AMX (more rows than MAX_QUANTIZED_MATMUL_ROWS), the
+    # blocks with it: check one row.
     long_prompt = [ids for ids in smollm_prompts if len(ids) > MAX_QUANTIZED_MATMUL_ROWS][0]
     logits = PagedHarness(smollm.model).step([long_prompt], [0], [[]])
     reference = PagedHarness(smollm_dequantized.model).step([long_prompt], [0], [[]])
