@@ -30,7 +30,8 @@ MAX_QUANTIZED_MATMUL_ROWS = 48
 
 def expands_for(num_rows: int) -> bool:
     """Whether a quantized layer runs `num_rows` input rows by expanding its weight (dense BLAS)."""
-    return num_rows > MAX_QUANTIZED_MATMUL_ROWS and load_extension().instruction_set() != "amx"
+    ext = load_extension()
+    return num_rows > MAX_QUANTIZED_MATMUL_ROWS and (ext is None or ext.instruction_set() != "amx")
 
 
 class GGUFLinear(DenseLinear):

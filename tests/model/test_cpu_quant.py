@@ -159,7 +159,10 @@ def test_packed_model_generates_what_the_dequantized_model_does(smollm, smollm_d
     long_prompt = [ids for ids in smollm_prompts if len(ids) > MAX_QUANTIZED_MATMUL_ROWS][0]
     logits = PagedHarness(smollm.model).step([long_prompt], [0], [[]])
     reference = PagedHarness(smollm_dequantized.model).step([long_prompt], [0], [[]])
-    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-3)
+    # NOTE: float32 summation order alone moves these 30 layers' logits by up to ~3e-3: once the process may use
+    # AMX, torch's prefill attention takes one of two orders (bench/results/cpu-2026-11-27/README.md). A wrong
+    # block, scale or min moves them by far more.
+    torch.testing.assert_close(logits, reference, rtol=1e-3, atol=1e-2)
 
 
 def test_concurrent_callers_get_their_own_results():
