@@ -129,7 +129,8 @@ def test_linear_stacks_parts_and_expands_for_large_batches(isa):
     for num_rows in (1, MAX_QUANTIZED_MATMUL_ROWS, MAX_QUANTIZED_MATMUL_ROWS + 1):
         x = torch.randn(num_rows, 64)
         expected = x.double() @ dense.T + linear.bias.double()
-        torch.testing.assert_close(linear(x).double(), expected, rtol=1e-5, atol=1e-5)
+        # atol: the scalar path's sequential float32 sum of 64 products may cancel to ~1e-5 (about 1 in 70 draws)
+        torch.testing.assert_close(linear(x).double(), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_linear_with_some_dense_rows_expands_the_rest():
