@@ -66,5 +66,6 @@ def main() -> None:
     if ext is not None:
         ext.limit_instruction_set("amx")
 
+
 if __name__ == "__main__":
     main()
