@@ -256,7 +256,8 @@ def offline(loaded, results: dict, num_requests: int, prompt_len: int = 1000, ou
                            "gpu_idle_before_s": round(sum(idle[i] for i in idx) / 1e3, 2)}
         split["idle_gaps"] = _idle_gaps(idle, gpu_timer)
     weights = loaded.quantization.quantization if loaded.quantization else "none"
-    key = f"offline_{weights.replace(' ', '_') + '_weights_' if weights != 'none' else ''}{'fp8' if kv_cache_dtype == 'fp8' else 'bf16'}_kv_seqs{max_num_seqs}"
+    weights_tag = "" if weights == "none" else weights.replace(" ", "_") + "_weights_"
+    key = f"offline_{weights_tag}{'fp8' if kv_cache_dtype == 'fp8' else 'bf16'}_kv_seqs{max_num_seqs}"
     results[key] = {
         "requests": num_requests, "max_num_seqs": max_num_seqs, "prompt_tokens": prompt_len, "output_tokens": output_len,
         "finished": not engine.has_unfinished, "elapsed_s": round(elapsed, 1), "output_tokens_done": num_out,
