@@ -13,6 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "x = x * cos + rotate_half(x) * sin, in place");
   m.def("paged_decode_attention", &paged_decode_attention,
         "write k/v at slot_mapping, then each sequence's query attends its context -> [S, Hq, D]");
+  m.def("argmax_rows", &argmax_rows, "x[N, V].argmax(dim=-1) as torch computes it, on the kernels' threads");
   py::class_<CpuDecoderLayer>(m, "CpuDecoderLayer", py::module_local(), "a Llama-family layer's decode step over packed weights")
       .def(py::init<const std::vector<LinearPartArgs>&, std::optional<torch::Tensor>, const std::vector<LinearPartArgs>&,
                     std::optional<torch::Tensor>, const std::vector<LinearPartArgs>&, const std::vector<LinearPartArgs>&,

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_HERE, name) for name in (
     "quant_matmul.cpp", "quant_avx512.cpp", "quant_amx.cpp", "norm_rope.cpp", "decode_attention.cpp",
-    "decode_attention_avx512.cpp", "decoder_layer.cpp", "worker_pool.cpp", "bindings.cpp")]
+    "decode_attention_avx512.cpp", "decoder_layer.cpp", "argmax.cpp", "worker_pool.cpp", "bindings.cpp")]
 _HEADERS = [os.path.join(_HERE, name) for name in ("ops.h", "quant_blocks.h", "worker_pool.h", "decoder_layer.h",
                                                    "attention_pair.h")]
 _CFLAGS = ["-O3", "-fopenmp-simd"]  # `omp simd` loops only: threads come from worker_pool.cpp

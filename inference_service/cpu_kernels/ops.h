@@ -28,3 +28,6 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      torch::Tensor& k_cache, torch::Tensor& v_cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                                      const torch::Tensor& slot_mapping, double scale);
+
+// argmax.cpp: the greedy sampler's argmax of each row, torch.argmax's semantics (first maximum, NaN first).
+torch::Tensor argmax_rows(const torch::Tensor& x);

@@ -15,6 +15,7 @@ import torch
 
 from inference_service.attention.metadata import AttentionMetadata
 from inference_service.config import CacheConfig
+from inference_service.engine.host_memory import huge_page_zeros
 from inference_service.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -75,8 +76,13 @@ def allocate_kv_caches(spec: KVCacheSpec, cache_config: CacheConfig, device: tor
         raise ValueError(f"KV cache budget of {budget / 2**20:.1f} MiB holds no block of {spec.bytes_per_block} "
                          f"bytes (reserved for activations: {reserve_bytes / 2**20:.0f} MiB)")
     shape = spec.block_shape(num_blocks)
-    caches = [(torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
-              for _ in range(spec.num_layers)]
+    if device.type == "cpu":
+        # One buffer on huge pages for every layer's cache (host_memory.py says why).
+        arena = huge_page_zeros(num_blocks * spec.bytes_per_block).view(spec.dtype).view(2 * spec.num_layers, *shape)
+        caches = [(arena[2 * i], arena[2 * i + 1]) for i in range(spec.num_layers)]
+    else:
+        caches = [(torch.zeros(shape, dtype=spec.dtype, device=device),
+                   torch.zeros(shape, dtype=spec.dtype, device=device)) for _ in range(spec.num_layers)]
     logger.info("KV cache: %d blocks x %d tokens (%d tokens, %.0f MiB, %s on %s; %.0f MiB kept for activations)",
                 num_blocks, spec.block_size, num_blocks * spec.block_size, num_blocks * spec.bytes_per_block / 2**20,
                 spec.dtype, device, reserve_bytes / 2**20)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inference_service.cpu_kernels.build import cpu_ops_for
 from inference_service.engine.logits_processors import LogitsProcessor, apply_processors
 from inference_service.engine.transfer import HostCopy, to_device
 
@@ -33,8 +34,12 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     one thread block each (~27 us for one 128k row on an H100). The max of every 256-wide chunk, then
     argmax over those maxima and within the winning chunk, is several times faster and picks the same
     index: the first chunk holding the maximum holds its first occurrence (NaN counts as the maximum
-    in both). Many rows on a GPU fill it already and keep the single kernel."""
+    in both). Many rows on a GPU fill it already and keep the single kernel. On the CPU, float32 rows go
+    to the CPU kernels' argmax (`cpu_kernels/argmax.cpp` says why) where the extension is built."""
     num_rows, vocab = x.shape
+    cpu_ops = cpu_ops_for(x)
+    if cpu_ops is not None and x.is_contiguous() and vocab:
+        return cpu_ops.argmax_rows(x)
     if vocab % _ARGMAX_CHUNK or not x.is_contiguous() or (x.device.type != "cpu" and num_rows > 16):
         return x.argmax(dim=-1)
     chunks = x.view(num_rows, vocab // _ARGMAX_CHUNK, _ARGMAX_CHUNK)  # [N, V / C, C]

@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from unittest import mock
 
 import pytest
 import torch
 
+from inference_service.cpu_kernels.build import load_extension
 from inference_service.engine.sampler import (
     Sampler,
     SamplingBatch,
@@ -170,15 +172,37 @@ def test_all_greedy_fast_path():
     assert out.logprobs == [None] * n and out.top_logprobs == [None] * n
 
 
-@pytest.mark.parametrize("vocab", [256, 49152, 1000])
-def test_argmax_rows_picks_the_first_maximum(vocab):
+@pytest.fixture(params=["torch", "avx512", "generic"])
+def argmax_path(request):
+    """Which argmax `argmax_rows` runs on the CPU: torch's chunked one (no extension), or the CPU kernels'
+    with their AVX-512 path or their generic one (the AVX2 cap)."""
+    ext = load_extension()
+    if request.param == "torch":
+        with mock.patch("inference_service.engine.sampler.cpu_ops_for", return_value=None):
+            yield request.param
+        return
+    if ext is None:
+        pytest.skip("the CPU kernels extension is not built here")
+    if request.param == "avx512" and ext.limit_instruction_set("avx512") != "avx512":
+        ext.limit_instruction_set("amx")
+        pytest.skip("this CPU has no AVX-512")
+    if request.param == "generic":
+        ext.limit_instruction_set("avx2")
+    try:
+        yield request.param
+    finally:
+        ext.limit_instruction_set("amx")  # no cap: the best path this CPU has
+
+
+@pytest.mark.parametrize("vocab", [256, 49152, 1000, 7])
+def test_argmax_rows_picks_the_first_maximum(vocab, argmax_path):
     n = 9
     x = torch.randn(n, vocab)
     x[1] = 0.5  # a row of ties: index 0
     x[2, [vocab - 1, 3, vocab // 2]] = 100.0  # three equal maxima in different chunks: the first
-    x[3, [7, 300 % vocab]] = float("inf")
+    x[3, [7 % vocab, 300 % vocab]] = float("inf")
     x[4] = NEG_INF
-    x[5, [vocab - 3, 10]] = float("nan")  # NaN is the maximum, its first occurrence wins
+    x[5, [vocab - 3, 10 % vocab]] = float("nan")  # NaN is the maximum, its first occurrence wins
     x[6] = torch.arange(vocab, dtype=torch.float32)  # maximum in the very last slot
     def first_max(row: list[float]) -> int:
         return max(range(vocab), key=lambda t: (math.isnan(row[t]), 0.0 if math.isnan(row[t]) else row[t], -t))
