@@ -91,37 +91,36 @@ AMX_FN inline __m512 bf16_to_float(__m256i v) {
 }
 
 // Activations [num_tokens, K] -> B tiles [token tile][block][part] and block sums [token tile][block][16]
-// for the token tiles [first_tile, last_tile), tokens past num_tokens zero. A part's 32 bf16 of one token
-// are 16 K pairs: one column of the B tile.
+// for the (token tile, block) pairs [first, last) in that order, tokens past num_tokens zero. A part's 32
+// bf16 of one token are 16 K pairs: one column of the B tile.
 AMX_FN void pack_activations(const float* x, int64_t x_stride, int64_t num_tokens, int64_t num_blocks,
-                             int64_t first_tile, int64_t last_tile, uint8_t* tiles, float* sums) {
-  for (int64_t t0 = first_tile * kTile; t0 < std::min(num_tokens, last_tile * kTile); t0 += kTile) {
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      __m512i parts[kParts][kTile];
-      alignas(64) float block_sums[kTile];
-      for (int n = 0; n < kTile; ++n) {
-        __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
-        if (t0 + n < num_tokens) {
-          const float* xb = x + (t0 + n) * x_stride + b * kBlock;
-          x0 = _mm512_loadu_ps(xb);
-          x1 = _mm512_loadu_ps(xb + 16);
-        }
-        block_sums[n] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
-        for (int p = 0; p < kParts; ++p) {
-          // The 32 bf16 in K order: as 16 dwords, dword i is the pair (2i, 2i + 1), one B tile row.
-          const __m512i part = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(x1, x0));
-          parts[p][n] = part;
-          x0 = _mm512_sub_ps(x0, bf16_to_float(_mm512_castsi512_si256(part)));  // exact: what is left over
-          x1 = _mm512_sub_ps(x1, bf16_to_float(_mm512_extracti64x4_epi64(part, 1)));
-        }
+                             int64_t first, int64_t last, uint8_t* tiles, float* sums) {
+  for (int64_t pair = first; pair < last; ++pair) {
+    const int64_t t0 = pair / num_blocks * kTile, b = pair % num_blocks;
+    __m512i parts[kParts][kTile];
+    alignas(64) float block_sums[kTile];
+    for (int n = 0; n < kTile; ++n) {
+      __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
+      if (t0 + n < num_tokens) {
+        const float* xb = x + (t0 + n) * x_stride + b * kBlock;
+        x0 = _mm512_loadu_ps(xb);
+        x1 = _mm512_loadu_ps(xb + 16);
       }
+      block_sums[n] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
       for (int p = 0; p < kParts; ++p) {
-        transpose16(parts[p]);
-        uint8_t* tile = tiles + ((t0 / kTile * num_blocks + b) * kParts + p) * kTileBytes;
-        for (int i = 0; i < kTile; ++i) _mm512_store_si512(tile + 64 * i, parts[p][i]);
+        // The 32 bf16 in K order: as 16 dwords, dword i is the pair (2i, 2i + 1), one B tile row.
+        const __m512i part = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(x1, x0));
+        parts[p][n] = part;
+        x0 = _mm512_sub_ps(x0, bf16_to_float(_mm512_castsi512_si256(part)));  // exact: what is left over
+        x1 = _mm512_sub_ps(x1, bf16_to_float(_mm512_extracti64x4_epi64(part, 1)));
       }
-      std::memcpy(sums + (t0 / kTile * num_blocks + b) * kTile, block_sums, sizeof(block_sums));
     }
+    for (int p = 0; p < kParts; ++p) {
+      transpose16(parts[p]);
+      uint8_t* tile = tiles + ((t0 / kTile * num_blocks + b) * kParts + p) * kTileBytes;
+      for (int i = 0; i < kTile; ++i) _mm512_store_si512(tile + 64 * i, parts[p][i]);
+    }
+    std::memcpy(sums + (t0 / kTile * num_blocks + b) * kTile, block_sums, sizeof(block_sums));
   }
 }
 
@@ -262,9 +261,9 @@ void reserve_activations_amx(int64_t num_tokens, int64_t num_blocks, PackedActiv
   packed.sum_data = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(packed.sums.data()) + 63) & ~uintptr_t{63});
 }
 
-void pack_activations_amx(const float* x, int64_t x_stride, int64_t first_tile, int64_t last_tile,
+void pack_activations_amx(const float* x, int64_t x_stride, int64_t first, int64_t last,
                           const PackedActivations& packed) {
-  pack_activations(x, x_stride, packed.num_tokens, packed.num_blocks, first_tile, last_tile, packed.tile_data,
+  pack_activations(x, x_stride, packed.num_tokens, packed.num_blocks, first, last, packed.tile_data,
                    packed.sum_data);
 }
 

@@ -18,7 +18,7 @@ void matmul_rows_avx512(int64_t qtype, const float* x, int64_t x_stride, int64_t
 void dequant_row_avx512(int64_t qtype, const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t num_blocks,
                         float* w);
 
-// quant_amx.cpp: the AMX-BF16 path. The activations are packed once a call (16-token tiles, on any
+// quant_amx.cpp: the AMX-BF16 path. The activations are packed once a call (16-token tiles x blocks, on any
 // threads), then any thread computes out[n, r] for weight rows [first, last) from them.
 struct PackedActivations {
   std::vector<uint8_t> tiles;  // storage of the B tiles, aligned within
@@ -29,7 +29,7 @@ struct PackedActivations {
 };
 bool amx_available();  // the CPU has AMX-BF16 and the kernel lets this process use the tiles
 void reserve_activations_amx(int64_t num_tokens, int64_t num_blocks, PackedActivations& packed);
-void pack_activations_amx(const float* x, int64_t x_stride, int64_t first_tile, int64_t last_tile,
+void pack_activations_amx(const float* x, int64_t x_stride, int64_t first, int64_t last,
                           const PackedActivations& packed);
 void matmul_rows_amx(int64_t qtype, const PackedActivations& packed, const uint8_t* qs, const uint16_t* scales,
                      const uint16_t* mins, int64_t num_blocks, float* out, int64_t out_stride, int64_t first,

@@ -257,7 +257,8 @@ void quant_matmul(const torch::Tensor& x, const torch::Tensor& qs, const torch::
     for (int64_t n0 = 0; n0 < num_rows; n0 += kAmxMaxTokens) {
       const int64_t num_tokens = std::min(kAmxMaxTokens, num_rows - n0);
       reserve_activations_amx(num_tokens, num_blocks, packed_here);
-      WorkerPool::instance().run(0, (num_tokens + 15) / 16, 1, [&](int64_t first, int64_t last) {
+      // (token tile, block) pairs: a decode batch is one token tile, and its blocks still split over the threads.
+      WorkerPool::instance().run(0, (num_tokens + 15) / 16 * num_blocks, 4, [&](int64_t first, int64_t last) {
         pack_activations_amx(xp + n0 * x_stride, x_stride, first, last, *packed);
       });
       WorkerPool::instance().run(0, num_weight_rows, grain, [&](int64_t first, int64_t last) {
