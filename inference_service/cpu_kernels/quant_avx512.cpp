@@ -18,16 +18,12 @@ namespace quant {
 namespace {
 
 constexpr int64_t kRowTileAvx512 = 8;
-// Row pairs ahead whose quants, scales and mins a pair prefetches. NOTE: the hardware prefetchers alone kept
-// too few lines in flight: all of the embedded model's projections at one row, cycling through 30 layers'
-// weights (bench: cold in cache, as in a decode step), took 6.6-7.2 ms a pass without this, 4.9-5.8 with it
-// (1 to 4 pairs ahead measured alike; 2026-11-27, 2-core Xeon).
+// Row pairs ahead whose quants, scales and mins a pair prefetches (`prefetch_lines`). NOTE: the hardware
+// prefetchers alone kept too few lines in flight: all of the embedded model's projections at one row,
+// cycling through 30 layers' weights (cold in cache, as in a decode step), took 6.6-7.2 ms a pass without
+// this, 4.9-5.8 with it (1 to 4 pairs ahead alike; 2026-11-27, 2-core Xeon). The same for the AMX path's
+// next 16-row group measured no change at 16 rows (bound by its tile products, not by memory).
 constexpr int64_t kPrefetchPairs = 2;
-
-inline void prefetch_lines(const void* start, int64_t num_bytes) {
-  const char* p = static_cast<const char*>(start);
-  for (int64_t offset = 0; offset < num_bytes; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T0);
-}
 
 AVX512_FN inline void dequant_block_avx512(int64_t qtype, const uint8_t* q, float d, float m, __m512 w[2]) {
   if (qtype == kQ8_0) {

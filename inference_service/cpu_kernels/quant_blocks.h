@@ -1,6 +1,8 @@
 // The GGUF block layout the quantized matmul reads (described in quant_matmul.cpp), shared by its paths.
 #pragma once
 
+#include <immintrin.h>
+
 #include <cstdint>
 #include <vector>
 
@@ -10,6 +12,12 @@ enum QType : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
 constexpr int64_t kBlock = 32;
 
 inline int64_t quant_bytes_per_block(int64_t qtype) { return qtype == kQ8_0 ? 32 : 16; }
+
+// Asks for the cache lines of [start, start + num_bytes) in L1 (quant_avx512.cpp's kPrefetchPairs says why).
+inline void prefetch_lines(const void* start, int64_t num_bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t offset = 0; offset < num_bytes; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T0);
+}
 
 // quant_avx512.cpp: out[n, r] for weight rows [first, last) and every activation row; one row expanded.
 void matmul_rows_avx512(int64_t qtype, const float* x, int64_t x_stride, int64_t num_rows, const uint8_t* qs,
