@@ -23,15 +23,14 @@ HUGE_PAGE_BYTES = 2 << 20
 _MADV_HUGEPAGE = 14
 
 
-def _madvise_huge(address: int, num_bytes: int) -> bool:
+def _madvise_huge(address: int, num_bytes: int) -> None:
+    """Advice only: where it fails, the buffer stays on ordinary pages."""
     if not sys.platform.startswith("linux"):
-        return False
+        return
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     if libc.madvise(address, num_bytes, _MADV_HUGEPAGE) != 0:
         logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
-        return False
-    return True
 
 
 def huge_page_zeros(num_bytes: int) -> torch.Tensor:
