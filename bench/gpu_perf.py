@@ -221,9 +221,12 @@ def _idle_gaps(idle_ms: list[float], gpu_timer) -> dict:
 
 
 def offline(loaded, results: dict, num_requests: int, prompt_len: int = 1000, output_len: int = 1000,
-            kv_cache_dtype: str = "auto", max_num_seqs: int = 256, time_limit_s: float = 240.0) -> None:
+            kv_cache_dtype: str = "auto", max_num_seqs: int = 256, time_limit_s: float = 240.0,
+            profile_dir: str | None = None, profile_steps: tuple[int, int] = (16, 16)) -> None:
     # The server's defaults (graphs up to --max-num-seqs included): this measures the configuration `serve` ships.
-    engine = _engine(loaded, kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs)
+    # `profile_dir`: the engine's torch.profiler over `profile_steps` (serve --profile-dir); it slows those steps.
+    engine = _engine(loaded, kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, profile_dir=profile_dir,
+                     profile_steps=profile_steps)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i in range(num_requests):
         engine.add_request(engine.input_processor.process(f"o{i}", _random_prompt(prompt_len, 1000 + i), params))

@@ -22,6 +22,7 @@ from kernels._common import (
     is_interpreter,
     mma,
     next_pow2,
+    num_sms,
     pdl_args,
     pdl_enter,
     require,
@@ -257,7 +258,8 @@ def paged_decode_attention(
     )
     group = num_q_heads // num_kv_heads
     fp16_dots = k_cache.dtype == FP8_DTYPE and q.dtype != torch.float32
-    block_n, launch_opts = _decode_tiles(q.dtype, fp16_dots, block_n, num_warps, num_stages)
+    block_n, launch_opts = _decode_tiles(q.dtype, fp16_dots, num_seqs * num_kv_heads * num_kv_splits, q.device,
+                                         block_n, num_warps, num_stages)
     append_args, append_opts = append_launch_args(append, q, k_cache)
     part_o, part_lse, part_strides = _split_buffers(out, num_kv_splits)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
@@ -299,19 +301,29 @@ def paged_decode_attention(
     return out
 
 
-def _decode_tiles(dtype: torch.dtype, fp16_dots: bool, block_n: int | None, num_warps: int | None,
-                  num_stages: int | None) -> tuple[int, dict]:
-    """(BLOCK_N, launch options) for q's dtype; the caller's overrides win."""
+def _decode_tiles(dtype: torch.dtype, fp16_dots: bool, num_programs: int, device: torch.device,
+                  block_n: int | None, num_warps: int | None, num_stages: int | None) -> tuple[int, dict]:
+    """(BLOCK_N, launch options) for q's dtype and the grid's size; the caller's overrides win."""
     if is_interpreter():
         return block_n or 16, {}
     fp32 = dtype == torch.float32
+    if fp16_dots:
+        # NOTE: fp8 K/V is bound by the instructions a tile (widening, the softmax over a 16-row tile for a
+        # group of 4 heads), not by memory: 128-token tiles halve the per-tile work a token. Five stages keep
+        # two tiles in flight (the block-table load feeds the K/V addresses, so the pipeliner holds one below
+        # five) but take 160 KiB of shared memory, one program a multiprocessor: they win while the grid is
+        # small; past 4 programs a multiprocessor, three stages (two programs each) win. H100, 2026-11-27
+        # (bench/decode_attention_tune.py), of the copy rate: 384 x 1,024 0.75 -> 0.85, 384 x 1,536 0.76 ->
+        # 0.87, 64 x 4,096 0.58 -> 0.82, 16 x 4,096 0.52 -> 0.66, 1 x 16,384 0.40 -> 0.42.
+        block_n = block_n or 128
+        num_warps = num_warps or 4
+        is_small_grid = num_programs <= 4 * num_sms(device) and torch.cuda.get_device_capability(device)[0] >= 9
+        num_stages = num_stages or (5 if is_small_grid else 3)
+        return block_n, {"num_warps": num_warps, "num_stages": num_stages}
     block_n = block_n or (32 if fp32 else 64)
     num_warps = num_warps or (8 if fp32 else 4)  # NOTE: fp32 at 4 warps spills registers
-    # NOTE: the block-table load feeds the K/V addresses, so the pipeliner keeps one K/V tile
-    # in flight below 5 stages and two from 5. fp8 tiles are half the bytes and gain from the
-    # second (H100, 256 x 1,500: 311 us against 325); bf16 streams at the copy rate either way.
-    num_stages = num_stages or (5 if fp16_dots else 3)
-    return block_n, {"num_warps": num_warps, "num_stages": num_stages}
+    # bf16 streams at the copy rate with these (the tile sweeps in bench/kernels_bench.py).
+    return block_n, {"num_warps": num_warps, "num_stages": num_stages or 3}
 
 
 def _split_buffers(out: torch.Tensor, num_kv_splits: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
