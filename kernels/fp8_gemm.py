@@ -1,5 +1,7 @@
 """fp8 x fp8 matmul with scales: y = (x_q * x_scale) @ (w_q * w_scale).T, for FP8 checkpoints; decode
-rows (up to MAX_FP8_GEMV_ROWS) go to the weight-only `fp8_gemv` instead.
+rows (up to MAX_FP8_GEMV_ROWS) go to the weight-only `fp8_gemv` instead. `fp8_gated_linear` (the gated MLP's
+down projection) and `fp8_normed_linear` (a projection after an RMSNorm) quantize their input in the launch that
+computes it.
 
 The weight is e4m3 [N, K] with one fp32 scale per [block_n, block_k] block: per tensor (N, K), per
 output channel (1, K) or block-wise (128, 128: DeepSeek-V3 / Qwen3-*-FP8 `weight_scale_inv`). The
@@ -30,8 +32,10 @@ from kernels._common import (
     require_dtype,
     require_inner_contiguous,
 )
+from kernels.activation import silu_and_mul
 from kernels.fp8_gemv import MAX_FP8_GEMV_ROWS, fp8_gemv
-from kernels.fp8_quant import MIN_SCALE, quantize_fp8_rows
+from kernels.fp8_quant import MIN_SCALE, quantize_fp8_rows, quantize_fp8_silu_and_mul
+from kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_fp8
 
 
 @dataclass
@@ -161,12 +165,12 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: Fp8Weight, bias: torch.
     return out
 
 
-def _can_scaled_mm(x: torch.Tensor, w: Fp8Weight) -> bool:
+def _can_scaled_mm(xq: torch.Tensor, out_dtype: torch.dtype, w: Fp8Weight) -> bool:
     # NOTE: cuBLASLt's fp8 GEMM takes per-tensor or per-row/column scales only, and row-wise scales
     # only with a bf16 output; dims must be multiples of 16.
     n, k = w.shape
-    return (x.is_cuda and not is_interpreter() and hasattr(torch, "_scaled_mm") and not w.is_block_wise
-            and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0)
+    return (xq.is_cuda and not is_interpreter() and hasattr(torch, "_scaled_mm") and not w.is_block_wise
+            and out_dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0)
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, *,
@@ -189,12 +193,45 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
 
 def fp8_quantized_matmul(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The path past MAX_FP8_GEMV_ROWS rows (any row count): x quantized to e4m3 per row and block_k
-    columns (`kernels.fp8_quant`, one launch), then cuBLASLt's `_scaled_mm` where it applies, else the
-    Triton fp8 GEMM."""
-    n = w.shape[0]
+    columns (`kernels.fp8_quant`, one launch), then `fp8_matmul_quantized`."""
     xq, x_scale = quantize_fp8_rows(x, w.block_k)
-    if _can_scaled_mm(x, w):
+    return fp8_matmul_quantized(xq, x_scale, w, bias, out_dtype=x.dtype)
+
+
+def fp8_gated_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_linear(silu_and_mul(x), w, bias)` for the gated MLP's down projection, x [M, 2K] (gate then up):
+    past MAX_FP8_GEMV_ROWS rows silu(gate) * up is quantized in the launch that computes it
+    (`quantize_fp8_silu_and_mul`, the same codes and scales), so its 16-bit copy is never written or read."""
+    n, k = w.shape
+    require(x.dim() == 2 and x.shape[1] == 2 * k, lambda: f"x: expected [M, 2K = {2 * k}], got {tuple(x.shape)}")
+    require_dtype("x", x, ACT_DTYPES)
+    if x.shape[0] <= MAX_FP8_GEMV_ROWS:
+        return fp8_linear(silu_and_mul(x), w, bias)
+    xq, x_scale = quantize_fp8_silu_and_mul(x, w.block_k)
+    return fp8_matmul_quantized(xq, x_scale, w, bias, out_dtype=x.dtype)
+
+
+def fp8_normed_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_linear(rms_norm(x), w, bias)`, or with a residual `fp8_linear(fused_add_rms_norm(x, residual), ..)`
+    (the residual updated in place to x + residual, x overwritten or not): an fp8 projection after a norm. Past
+    MAX_FP8_GEMV_ROWS rows the normed rows are quantized in the norm's launch (`norm.rms_norm_fp8`, the same codes
+    and scales), so their 16-bit copy is never written or read."""
+    k = w.shape[1]
+    if x.shape[0] > MAX_FP8_GEMV_ROWS and (w.block_k >= k or w.block_k & (w.block_k - 1) == 0):
+        xq, x_scale = rms_norm_fp8(x, residual, norm_weight, eps, w.block_k)
+        return fp8_matmul_quantized(xq, x_scale, w, bias, out_dtype=x.dtype)
+    normed = rms_norm(x, norm_weight, eps) if residual is None else fused_add_rms_norm(x, residual, norm_weight, eps)
+    return fp8_linear(normed, w, bias)
+
+
+def fp8_matmul_quantized(xq: torch.Tensor, x_scale: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, *,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    """(xq * x_scale) @ dequant(w).T + bias -> [M, N] in out_dtype, xq e4m3 with scales [M, cdiv(K, block_k)]:
+    cuBLASLt's `_scaled_mm` where it applies, else the Triton fp8 GEMM."""
+    n = w.shape[0]
+    if _can_scaled_mm(xq, out_dtype, w):
         scale_b = w.scale.view(1, -1) if w.scale.numel() > 1 else w.scale.view(1, 1)
         scale_b = scale_b.expand(1, n).contiguous() if scale_b.shape[1] == 1 else scale_b
-        return torch._scaled_mm(xq, w.weight.t(), scale_a=x_scale, scale_b=scale_b, bias=bias, out_dtype=x.dtype)
-    return fp8_gemm(xq, x_scale, w, bias, out_dtype=x.dtype)
+        return torch._scaled_mm(xq, w.weight.t(), scale_a=x_scale, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+    return fp8_gemm(xq, x_scale, w, bias, out_dtype=out_dtype)

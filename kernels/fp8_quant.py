@@ -5,6 +5,9 @@
     magnitude maps to FP8_MAX (scale = amax / FP8_MAX, at least MIN_SCALE), its values divided by the scale
     rounded to e4m3.
 
+`quantize_fp8_silu_and_mul` quantizes the gated MLP's silu(gate) * up the same way in the launch that computes
+it (the down projection's input), bit for bit `quantize_fp8_rows(silu_and_mul(x))` without the 16-bit copy.
+
 Bit for bit `fp8_gemm.quantize_fp8_groups` (torch's ops, kept as the reference and for weights at load):
 IEEE division (`div_rn`: Triton's `/` is approximate), round to nearest even. Torch spends eight kernels
 on it (cast, pad, abs, amax, divide, clamp, divide, clamp + cast): ~25 us a projection at 256 rows, more
@@ -17,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import _INTERPRETED, FP8_DTYPE, FP8_MAX, is_interpreter, next_pow2
+from kernels._common import _INTERPRETED, FP8_DTYPE, FP8_MAX, cast, is_interpreter, next_pow2, require
 
 MIN_SCALE = 1e-12  # an all-zero group still gets a finite scale
 MAX_BLOCK = 1024  # columns a program takes when groups are narrower (pow2 groups: block-wise scales)
@@ -43,6 +46,27 @@ def _to_e4m3(v, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _group_columns(K, num_groups, GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
+    """(this program's groups [G], their columns [G, BG], which columns exist [G, BG])."""
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # [G]
+    offs = tl.arange(0, BLOCK_G)  # [BG]
+    cols = groups[:, None] * GROUP + offs[None, :]  # [G, BG]
+    return groups, cols, (groups[:, None] < num_groups) & (offs[None, :] < GROUP) & (cols < K)
+
+
+@triton.jit
+def store_fp8_groups(x, q_row_ptr, s_row_ptr, groups, cols, mask, num_groups, MIN_SCALE_: tl.constexpr,
+                     FP8_MAX_: tl.constexpr):
+    """x [G, BG] fp32 (zero where masked) -> its e4m3 codes at q_row_ptr + cols, one scale a group at s_row_ptr."""
+    amax = tl.max(tl.abs(x), 1)  # [G]
+    scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX_, tl.float32)), MIN_SCALE_)
+    q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    q = tl.minimum(tl.maximum(q, -FP8_MAX_), FP8_MAX_)
+    tl.store(q_row_ptr + cols, _to_e4m3(q, q_row_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_row_ptr + groups, scale, mask=groups < num_groups)
+
+
+@triton.jit
 def _quantize_fp8_kernel(
     x_ptr,  # [M, K] fp32 / fp16 / bf16
     q_ptr,  # [M, K] e4m3
@@ -52,31 +76,58 @@ def _quantize_fp8_kernel(
     MIN_SCALE_: tl.constexpr, FP8_MAX_: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # [G]
-    offs = tl.arange(0, BLOCK_G)  # [BG]
-    cols = groups[:, None] * GROUP + offs[None, :]  # [G, BG]
-    mask = (groups[:, None] < num_groups) & (offs[None, :] < GROUP) & (cols < K)
+    groups, cols, mask = _group_columns(K, num_groups, GROUP, GROUPS, BLOCK_G)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), 1)  # [G]
-    scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX_, tl.float32)), MIN_SCALE_)
-    q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    q = tl.minimum(tl.maximum(q, -FP8_MAX_), FP8_MAX_)
-    tl.store(q_ptr + row * stride_q + cols, _to_e4m3(q, q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_s + groups, scale, mask=groups < num_groups)
+    store_fp8_groups(x, q_ptr + row * stride_q, s_ptr + row * stride_s, groups, cols, mask, num_groups, MIN_SCALE_,
+                     FP8_MAX_)
+
+
+@triton.jit
+def _quantize_fp8_silu_and_mul_kernel(
+    x_ptr,  # [M, 2K] fp32 / fp16 / bf16: gate then up
+    q_ptr,  # [M, K] e4m3
+    s_ptr,  # [M, num_groups] float32
+    K, num_groups, stride_x, stride_q, stride_s,
+    GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
+    MIN_SCALE_: tl.constexpr, FP8_MAX_: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    groups, cols, mask = _group_columns(K, num_groups, GROUP, GROUPS, BLOCK_G)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + K + cols, mask=mask, other=0.0).to(tl.float32)
+    # Rounded to x's dtype first, as `silu_and_mul` stores it: the unfused path's values exactly.
+    x = cast(gate * tl.sigmoid(gate) * up, x_ptr.dtype.element_ty).to(tl.float32)
+    store_fp8_groups(x, q_ptr + row * stride_q, s_ptr + row * stride_s, groups, cols, mask, num_groups, MIN_SCALE_,
+                     FP8_MAX_)
 
 
 def quantize_fp8_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (inner-contiguous) -> (e4m3 [M, K], float32 scales [M, cdiv(K, group)]), as
     `quantize_fp8_groups` computes them."""
-    m, k = x.shape
+    return _launch(_quantize_fp8_kernel, x, x.shape[1], group)
+
+
+def quantize_fp8_silu_and_mul(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, 2K] (gate then up, inner-contiguous) -> `quantize_fp8_rows(silu_and_mul(x), group)`, bit for bit,
+    in one launch."""
+    require(x.dim() == 2 and x.shape[1] % 2 == 0, lambda: f"x: expected [M, 2K], got {tuple(x.shape)}")
+    require(x.stride(-1) == 1, "x: expected contiguous rows")
+    return _launch(_quantize_fp8_silu_and_mul_kernel, x, x.shape[1] // 2, group)
+
+
+def _launch(kernel, x: torch.Tensor, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, k], scales [M, cdiv(k, group)]) from one of the quantizing kernels over x's M rows."""
+    m = x.shape[0]
     num_groups = triton.cdiv(k, group)
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((m, num_groups), dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return q, scale
     block_g = next_pow2(min(group, k))
     groups = max(1, MAX_BLOCK // block_g) if group & (group - 1) == 0 else 1  # several whole pow2 groups
     groups = min(groups, next_pow2(num_groups))
     opts = {} if is_interpreter() else {"num_warps": min(16, max(4, groups * block_g // 1024))}
-    _quantize_fp8_kernel[(m, triton.cdiv(num_groups, groups))](
+    kernel[(m, triton.cdiv(num_groups, groups))](
         x, q, scale, k, num_groups, x.stride(0), q.stride(0), scale.stride(0), GROUP=group, GROUPS=groups,
         BLOCK_G=block_g, MIN_SCALE_=MIN_SCALE, FP8_MAX_=FP8_MAX, **opts)
     return q, scale

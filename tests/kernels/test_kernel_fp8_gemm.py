@@ -6,16 +6,18 @@ import pytest
 import torch
 
 from kernels import FP8_DTYPE
+from kernels.activation import silu_and_mul
 from kernels.fp8_gemm import (
     Fp8Weight,
     dequantize_fp8,
+    fp8_gated_linear,
     fp8_gemm,
     fp8_linear,
     fp8_matmul_ref,
     quantize_fp8_groups,
 )
 from kernels.fp8_gemv import MAX_FP8_GEMV_ROWS, fp8_gemv
-from kernels.fp8_quant import quantize_fp8_rows
+from kernels.fp8_quant import quantize_fp8_rows, quantize_fp8_silu_and_mul
 from tests.kernels.kernel_testlib import DEVICE, ON_GPU, TOL, rel_err
 
 SCALINGS = {"per_tensor": None, "per_channel": (1, None), "block_128": (128, 128), "block_32": (32, 32)}
@@ -120,3 +122,33 @@ def test_activation_quantizer_is_bit_exact(rows_cols_group, dtype):
     q, scale = quantize_fp8_rows(x, group)
     assert torch.equal(scale, scale_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("rows_cols_group", [(5, 256, 128), (7, 300, 128), (3, 384, 384), (2, 1000, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_silu_and_mul_quantizer_is_the_unfused_pair(rows_cols_group, dtype):
+    """`quantize_fp8_silu_and_mul` (the down projection's input in one launch) gives the codes and scales of
+    `silu_and_mul` followed by `quantize_fp8_rows` bit for bit: silu(gate) * up rounded to x's dtype first."""
+    m, k, group = rows_cols_group
+    gen = torch.Generator().manual_seed(m * k + group)
+    x = torch.randn(m, 2 * k, generator=gen) * torch.rand(m, 1, generator=gen) * 8
+    x[0, :min(k, group)] = 0.0  # an all-zero group of gates
+    x = x.to(dtype=dtype, device=DEVICE)
+    q_ref, scale_ref = quantize_fp8_rows(silu_and_mul(x), group)
+    q, scale = quantize_fp8_silu_and_mul(x, group)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("scaling", ["per_channel", "block_128"])
+@pytest.mark.parametrize("num_rows", [1, 9])
+def test_gated_linear_is_linear_of_silu_and_mul(scaling, num_rows):
+    """The down projection over gate | up equals `fp8_linear(silu_and_mul(x))` exactly (the same quantized x, the
+    same GEMM) at the GEMV's row count and past it; a wrong width is a ValueError naming x."""
+    gen = torch.Generator().manual_seed(num_rows)
+    n, k = SHAPES[0]
+    w = random_fp8_weight(n, k, scaling, gen)
+    x = torch.randn(num_rows, 2 * k, generator=gen).to(dtype=torch.bfloat16, device=DEVICE)
+    assert torch.equal(fp8_gated_linear(x, w), fp8_linear(silu_and_mul(x), w))
+    with pytest.raises(ValueError, match=r"x: expected \[M, 2K"):
+        fp8_gated_linear(x[:, :k], w)

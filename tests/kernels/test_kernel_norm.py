@@ -8,7 +8,8 @@ import pytest
 import torch
 from kernel_testlib import DEVICE, DTYPE_IDS, ON_GPU, TOL, poisoned, rel_err
 
-from kernels import fused_add_rms_norm, rms_norm, rms_norm_ref
+from kernels import fused_add_rms_norm, rms_norm, rms_norm_fp8, rms_norm_ref
+from kernels.fp8_quant import quantize_fp8_rows
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 HIDDEN = (64, 80, 576, 4096, 5120) if ON_GPU else (64, 80, 576)
@@ -82,3 +83,27 @@ def test_checks_format_their_message_only_when_failing():
     with pytest.raises(ValueError, match=r"^out: shape \(3, 65\) != expected \(3, 64\)$"):
         rms_norm(torch.randn(3, 64, device=DEVICE), torch.ones(64, device=DEVICE), 1e-6,
                  out=torch.empty(3, 65, device=DEVICE))
+
+
+@pytest.mark.parametrize(("hidden", "group"), [(256, 256), (300, 300), (384, 128), (300, 128), (96, 4096)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["add", "plain"])
+def test_rms_norm_fp8_is_the_norm_then_the_activation_quantizer(hidden, group, dtype, with_residual):
+    """`rms_norm_fp8` (an fp8 projection's input in the norm's launch) gives the codes and scales of the 16-bit norm
+    followed by `quantize_fp8_rows` bit for bit, whole and partial groups, and the same residual stream."""
+    gen = torch.Generator().manual_seed(hidden + group)
+    x = (torch.randn(5, hidden, generator=gen) * 3).to(dtype=dtype, device=DEVICE)
+    residual = torch.randn(5, hidden, generator=gen).to(dtype=dtype, device=DEVICE) if with_residual else None
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype=dtype, device=DEVICE)
+    fused_residual = residual.clone() if with_residual else None
+    q, scale = rms_norm_fp8(x.clone(), fused_residual, weight, 1e-6, group)
+    if with_residual:
+        normed = fused_add_rms_norm(x.clone(), residual, weight, 1e-6)
+        assert torch.equal(fused_residual, residual)
+    else:
+        normed = rms_norm(x, weight, 1e-6)
+    q_ref, scale_ref = quantize_fp8_rows(normed, group)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"group: the hidden size \(%d\) or more, or a power of two" % hidden):
+        rms_norm_fp8(x, None, weight, 1e-6, 96 if hidden != 96 else 48)

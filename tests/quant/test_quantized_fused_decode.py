@@ -80,3 +80,34 @@ def test_three_sequences_take_the_general_path(fused_fp32, tmp_path, monkeypatch
     monkeypatch.setattr(kernels, "quant_matmul", lambda *a, **kw: calls.append(kw) or quant_matmul(*a, **kw))
     _decode_logits(model, PROMPTS + [[9, 8, 7]])
     assert not any(calls)
+
+
+def test_fp8_projections_take_their_input_quantized_where_it_is_computed(fused_fp32, tmp_path, monkeypatch):
+    """An fp8 model's qkv and gate_up projections take their input quantized in the RMSNorm's launch
+    (`kernels.fp8_normed_linear`) and its down projections in the SiLU's (`kernels.fp8_gated_linear`), at prefill
+    and decode, and give exactly the logits of the separate norm, SiLU and quantizer launches."""
+    folder = save_hf_model(make_hf_model("llama", seed=3, **TINY_LLAMA), str(tmp_path / "plain"))
+    model = load_model(folder, device="cpu", quantization="fp8").model
+    assert type(model.stack) is fused_stack.FusedStack
+    rows = {"normed": [], "gated": []}
+    normed, gated = kernels.fp8_normed_linear, kernels.fp8_gated_linear
+    monkeypatch.setattr(kernels, "fp8_normed_linear",
+                        lambda x, r, nw, eps, w, b=None: rows["normed"].append(x.shape[0]) or normed(x, r, nw, eps, w, b))
+    monkeypatch.setattr(kernels, "fp8_gated_linear", lambda x, w, b=None: rows["gated"].append(x.shape[0]) or gated(x, w, b))
+    fused = _decode_logits(model, PROMPTS)
+    num_layers, prefill_rows = model.config.num_hidden_layers, sum(map(len, PROMPTS))
+    steps = [prefill_rows] + [len(PROMPTS)] * NUM_STEPS
+    assert rows == {"normed": [r for r in steps for _ in range(2 * num_layers)],
+                    "gated": [r for r in steps for _ in range(num_layers)]}
+
+    def unfused_normed(x, residual, norm_weight, eps, w, bias=None):
+        y = kernels.rms_norm(x, norm_weight, eps) if residual is None else kernels.fused_add_rms_norm(
+            x, residual, norm_weight, eps)
+        return kernels.fp8_linear(y, w, bias)
+
+    monkeypatch.setattr(kernels, "fp8_normed_linear", unfused_normed)
+    monkeypatch.setattr(kernels, "fp8_gated_linear",
+                        lambda x, w, b=None: kernels.fp8_linear(kernels.silu_and_mul(x), w, b))
+    unfused = _decode_logits(model, PROMPTS)
+    for step, (a, b) in enumerate(zip(fused, unfused)):
+        assert torch.equal(a, b), f"decode step {step}"
