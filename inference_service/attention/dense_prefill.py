@@ -5,7 +5,7 @@ paged prefill kernel reads them back from the cache page by page (and, with an f
 236-265 TFLOP/s for a 4k prompt on an H200, where cuDNN's fused attention reaches 535 (0.26 vs 0.58 ms a
 layer; 1k: 0.033 vs 0.154 ms; `bench/prefill_attention_tune.py`, bench/results/h200-2026-11-26). Prefix-cache hits,
 later chunks of a chunked prompt, sliding windows narrower than the prompt and soft-capped scores (Gemma 2)
-keep the paged kernel (in the same step as fresh prompts after them).
+keep the paged kernel.
 
 NOTE: with an fp8 cache a fresh prompt attends over its keys and values before they are quantized (as
 FlashAttention backends of vLLM do for prefills); its later decode steps read the fp8 copies.
@@ -21,38 +21,32 @@ from inference_service.attention.metadata import AttentionMetadata
 
 # Below this many fresh query tokens the paged kernel's one launch costs less than per-prompt SDPA calls.
 MIN_DENSE_PREFILL_TOKENS = 512
-# A step of more fresh prompts than this stays one paged launch instead of a host loop of SDPA calls, unless they
-# average MIN_TOKENS_A_DENSE_CALL tokens: then each call's GPU work (a 1k prompt: ~33 us a layer against the paged
-# kernel's ~50 us a prompt in a launch of 8, H100) outlasts its ~150 us of host time spread over the layer's other
-# launches. The offline workload's mixed steps hold ~8 fresh 1k prompts (bench/results/h100-2026-11-27).
+# A step of more fresh prompts than this stays one paged launch instead of a host loop of SDPA calls.
 MAX_DENSE_PREFILL_SEQS = 4
-MIN_TOKENS_A_DENSE_CALL = 768
 # torch picks the first that takes the inputs; cuDNN's is the Hopper kernel, FlashAttention-2's the fallback.
 _BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
              SDPBackend.MATH]
 
 
 def fresh_prefill_spans(metadata: AttentionMetadata, first_seq: int, sliding_window: int | None = None,
-                        soft_cap: float | None = None) -> tuple[int, list[tuple[int, int]]] | None:
-    """(the first sequence of the step's trailing run of whole fresh prompts, their query row spans) when that run
-    starts at or after `first_seq` and is worth the dense path, else None. A fresh prompt's context is exactly this
-    step's queries; sequences before the run (a later chunk of a chunked prompt, a prefix-cache hit) keep the paged
-    kernel. Host lists only: no sync."""
+                        soft_cap: float | None = None) -> list[tuple[int, int]] | None:
+    """The query row spans of sequences `first_seq..` when each is a whole fresh prompt (its context is exactly
+    this step's queries) and together they are worth the dense path; else None. Host lists only: no sync."""
     if soft_cap is not None:
         return None
     starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-    first_fresh = len(seq_lens)
-    while first_fresh > first_seq:
-        i = first_fresh - 1
-        if starts[i + 1] - starts[i] != seq_lens[i] or (sliding_window is not None and seq_lens[i] > sliding_window):
-            break
-        first_fresh = i
-    num_seqs, num_tokens = len(seq_lens) - first_fresh, starts[len(seq_lens)] - starts[first_fresh]
-    if num_seqs == 0 or num_tokens < MIN_DENSE_PREFILL_TOKENS:
+    num_seqs = len(seq_lens) - first_seq
+    if not 0 < num_seqs <= MAX_DENSE_PREFILL_SEQS:
         return None
-    if num_seqs > MAX_DENSE_PREFILL_SEQS and num_tokens < MIN_TOKENS_A_DENSE_CALL * num_seqs:
+    spans = []
+    for i in range(first_seq, len(seq_lens)):
+        lo, hi = starts[i], starts[i + 1]
+        if hi - lo != seq_lens[i] or (sliding_window is not None and seq_lens[i] > sliding_window):
+            return None
+        spans.append((lo, hi))
+    if spans[-1][1] - spans[0][0] < MIN_DENSE_PREFILL_TOKENS:
         return None
-    return first_fresh, [(starts[i], starts[i + 1]) for i in range(first_fresh, len(seq_lens))]
+    return spans
 
 
 def dense_prefill_attention(

@@ -7,8 +7,8 @@ One layer's step is one to three launches::
     write_kv_cache(k, v -> cache at slot_mapping)           # slot -1 (padding) skipped
     decode-only step  -> paged_decode_attention             # one query per sequence, split-KV
     anything else     -> paged_decode_attention             # the leading one-token rows, if any
-                         paged_prefill_attention            # then prefills, chunks, prefix hits
-                         torch SDPA per prompt              # the trailing whole fresh prompts (dense_prefill.py)
+                         paged_prefill_attention            # the rest: prefills, chunks, prefix hits
+                      or torch SDPA per prompt              # the rest are whole fresh prompts (dense_prefill.py)
 
 The prefill kernel reads every key and value from the cache, new ones included, so the write comes
 first. Neither launch needs a host sync: the decode split count comes from the step's host-side
@@ -73,9 +73,8 @@ class TritonPagedAttention:
             )  # [T, Hq, D]
         num_decodes = metadata.num_decode_seqs
         is_dense = q.is_cuda if self.dense_prefill is None else self.dense_prefill
-        dense = fresh_prefill_spans(metadata, num_decodes, sliding_window, soft_cap) if is_dense else None
-        first_dense, spans = dense if dense is not None else (metadata.num_seqs, [])
-        if num_decodes == 0 and spans == [(0, q.shape[0])]:
+        spans = fresh_prefill_spans(metadata, num_decodes, sliding_window, soft_cap) if is_dense else None
+        if spans is not None and num_decodes == 0 and spans == [(0, q.shape[0])]:
             return dense_prefill_attention(q, k, v, spans, scale)  # one fresh prompt: SDPA's output as is
         out = torch.empty_like(q)  # [T, Hq, D]; rows past query_start_loc[-1] unwritten
         if num_decodes:
@@ -89,17 +88,16 @@ class TritonPagedAttention:
                 num_kv_splits=self._num_kv_splits(num_decodes, metadata.max_seq_len, k_cache),
                 k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             )
-        if first_dense > num_decodes:
-            # The prefill kernel finds each sequence's query rows at its query_start_loc entry, so the
-            # rest of the batch keeps its absolute row offsets into q and out.
-            kern.paged_prefill_attention(
-                q, k_cache, v_cache, metadata.block_tables[num_decodes:first_dense],
-                metadata.query_start_loc[num_decodes:first_dense + 1], metadata.seq_lens[num_decodes:first_dense],
-                metadata.max_query_len, scale, out=out, k_scale=self.k_scale, v_scale=self.v_scale,
-                sliding_window=sliding_window, soft_cap=soft_cap,
-            )
-        if spans:
+        if spans is not None:
             dense_prefill_attention(q, k, v, spans, scale, out)
+            return out
+        # The prefill kernel finds each sequence's query rows at its query_start_loc entry, so the
+        # rest of the batch keeps its absolute row offsets into q and out.
+        kern.paged_prefill_attention(
+            q, k_cache, v_cache, metadata.block_tables[num_decodes:], metadata.query_start_loc[num_decodes:],
+            metadata.seq_lens[num_decodes:], metadata.max_query_len, scale, out=out,
+            k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        )
         return out
 
     def forward_unrotated(
