@@ -14,18 +14,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import fused_add_rms_norm, rms_norm_fp8, silu_and_mul  # noqa: E402
 from kernels.fp8_quant import quantize_fp8_rows, quantize_fp8_silu_and_mul  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fp8_prefill_gemm import time_ms  # noqa: E402
 
-def us(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+
+def us(fn) -> float:
+    return time_ms(fn) * 1e3
+
+
 
 
 def main() -> None:

@@ -46,15 +46,6 @@ def _to_e4m3(v, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _group_columns(K, num_groups, GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
-    """(this program's groups [G], their columns [G, BG], which columns exist [G, BG])."""
-    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # [G]
-    offs = tl.arange(0, BLOCK_G)  # [BG]
-    cols = groups[:, None] * GROUP + offs[None, :]  # [G, BG]
-    return groups, cols, (groups[:, None] < num_groups) & (offs[None, :] < GROUP) & (cols < K)
-
-
-@triton.jit
 def store_fp8_groups(x, q_row_ptr, s_row_ptr, groups, cols, mask, num_groups, MIN_SCALE_: tl.constexpr,
                      FP8_MAX_: tl.constexpr):
     """x [G, BG] fp32 (zero where masked) -> its e4m3 codes at q_row_ptr + cols, one scale a group at s_row_ptr."""
@@ -68,35 +59,25 @@ def store_fp8_groups(x, q_row_ptr, s_row_ptr, groups, cols, mask, num_groups, MI
 
 @triton.jit
 def _quantize_fp8_kernel(
-    x_ptr,  # [M, K] fp32 / fp16 / bf16
+    x_ptr,  # [M, K] fp32 / fp16 / bf16; GATED: [M, 2K], gate then up
     q_ptr,  # [M, K] e4m3
     s_ptr,  # [M, num_groups] float32
     K, num_groups, stride_x, stride_q, stride_s,
     GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
-    MIN_SCALE_: tl.constexpr, FP8_MAX_: tl.constexpr,
+    MIN_SCALE_: tl.constexpr, FP8_MAX_: tl.constexpr, GATED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    groups, cols, mask = _group_columns(K, num_groups, GROUP, GROUPS, BLOCK_G)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    store_fp8_groups(x, q_ptr + row * stride_q, s_ptr + row * stride_s, groups, cols, mask, num_groups, MIN_SCALE_,
-                     FP8_MAX_)
-
-
-@triton.jit
-def _quantize_fp8_silu_and_mul_kernel(
-    x_ptr,  # [M, 2K] fp32 / fp16 / bf16: gate then up
-    q_ptr,  # [M, K] e4m3
-    s_ptr,  # [M, num_groups] float32
-    K, num_groups, stride_x, stride_q, stride_s,
-    GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
-    MIN_SCALE_: tl.constexpr, FP8_MAX_: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    groups, cols, mask = _group_columns(K, num_groups, GROUP, GROUPS, BLOCK_G)
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + K + cols, mask=mask, other=0.0).to(tl.float32)
-    # Rounded to x's dtype first, as `silu_and_mul` stores it: the unfused path's values exactly.
-    x = cast(gate * tl.sigmoid(gate) * up, x_ptr.dtype.element_ty).to(tl.float32)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # [G]
+    offs = tl.arange(0, BLOCK_G)  # [BG]
+    cols = groups[:, None] * GROUP + offs[None, :]  # [G, BG]
+    mask = (groups[:, None] < num_groups) & (offs[None, :] < GROUP) & (cols < K)
+    if GATED:
+        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * stride_x + K + cols, mask=mask, other=0.0).to(tl.float32)
+        # Rounded to x's dtype first, as `silu_and_mul` stores it: the unfused path's values exactly.
+        x = cast(gate * tl.sigmoid(gate) * up, x_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     store_fp8_groups(x, q_ptr + row * stride_q, s_ptr + row * stride_s, groups, cols, mask, num_groups, MIN_SCALE_,
                      FP8_MAX_)
 
@@ -104,7 +85,7 @@ def _quantize_fp8_silu_and_mul_kernel(
 def quantize_fp8_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (inner-contiguous) -> (e4m3 [M, K], float32 scales [M, cdiv(K, group)]), as
     `quantize_fp8_groups` computes them."""
-    return _launch(_quantize_fp8_kernel, x, x.shape[1], group)
+    return _launch(x, x.shape[1], group, gated=False)
 
 
 def quantize_fp8_silu_and_mul(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,11 +93,11 @@ def quantize_fp8_silu_and_mul(x: torch.Tensor, group: int) -> tuple[torch.Tensor
     in one launch."""
     require(x.dim() == 2 and x.shape[1] % 2 == 0, lambda: f"x: expected [M, 2K], got {tuple(x.shape)}")
     require(x.stride(-1) == 1, "x: expected contiguous rows")
-    return _launch(_quantize_fp8_silu_and_mul_kernel, x, x.shape[1] // 2, group)
+    return _launch(x, x.shape[1] // 2, group, gated=True)
 
 
-def _launch(kernel, x: torch.Tensor, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 [M, k], scales [M, cdiv(k, group)]) from one of the quantizing kernels over x's M rows."""
+def _launch(x: torch.Tensor, k: int, group: int, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, k], scales [M, cdiv(k, group)]) of x's M rows (gated: of silu(gate) * up)."""
     m = x.shape[0]
     num_groups = triton.cdiv(k, group)
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
@@ -127,7 +108,7 @@ def _launch(kernel, x: torch.Tensor, k: int, group: int) -> tuple[torch.Tensor, 
     groups = max(1, MAX_BLOCK // block_g) if group & (group - 1) == 0 else 1  # several whole pow2 groups
     groups = min(groups, next_pow2(num_groups))
     opts = {} if is_interpreter() else {"num_warps": min(16, max(4, groups * block_g // 1024))}
-    kernel[(m, triton.cdiv(num_groups, groups))](
+    _quantize_fp8_kernel[(m, triton.cdiv(num_groups, groups))](
         x, q, scale, k, num_groups, x.stride(0), q.stride(0), scale.stride(0), GROUP=group, GROUPS=groups,
-        BLOCK_G=block_g, MIN_SCALE_=MIN_SCALE, FP8_MAX_=FP8_MAX, **opts)
+        BLOCK_G=block_g, MIN_SCALE_=MIN_SCALE, FP8_MAX_=FP8_MAX, GATED=gated, **opts)
     return q, scale
