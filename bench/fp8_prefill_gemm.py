@@ -7,8 +7,10 @@ Per (rows, projection), CUDA events over repeated calls, TFLOP/s:
   rowwise     `_scaled_mm` with row-wise scales alone (what `shipped` calls after quantizing)
   tensorwise  `_scaled_mm` with one scale each
   *_fast      the same with use_fast_accum (fp8 accumulation promoted periodically: less exact)
+and (`fusion`) the input quantizers fused into the launches that compute the input (`rms_norm_fp8`, the GATED
+quantizer) against the launches they replace, at the first of --rows.
 
-Usage: python bench/fp8_prefill_gemm.py [--rows 2048,8192] [--out DIR]   (CUDA, ~1 minute)
+Usage: python bench/fp8_prefill_gemm.py [--rows 2048,8192] [--only gemm,fusion] [--out DIR]   (CUDA, ~1 minute)
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from kernels import fused_add_rms_norm, rms_norm_fp8, silu_and_mul  # noqa: E402
 from kernels.fp8_gemm import Fp8Weight, fp8_linear, quantize_fp8_groups  # noqa: E402
-from kernels.fp8_quant import quantize_fp8_rows  # noqa: E402
+from kernels.fp8_quant import quantize_fp8_rows, quantize_fp8_silu_and_mul  # noqa: E402
 
 PROJECTIONS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 
@@ -41,15 +44,39 @@ def time_ms(fn, iters: int = 20) -> float:
     return start.elapsed_time(end) / iters
 
 
+def fusion(rows: int, hidden: int = 4096, intermediate: int = 14336) -> dict:
+    """us a call: each fused quantizer against the launches it replaces (one scale a row, and 128-column groups)."""
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    weight = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
+    gate_up = torch.randn(rows, 2 * intermediate, device="cuda", dtype=torch.bfloat16)
+    cases = {
+        "norm_then_quantizer": lambda: quantize_fp8_rows(
+            fused_add_rms_norm(x, residual, weight, 1e-6, out=torch.empty_like(x)), hidden),
+        "rms_norm_fp8": lambda: rms_norm_fp8(x, residual, weight, 1e-6, hidden),
+        "rms_norm_fp8_group128": lambda: rms_norm_fp8(x, residual, weight, 1e-6, 128),
+        "silu_then_quantizer": lambda: quantize_fp8_rows(silu_and_mul(gate_up), intermediate),
+        "silu_quantizer": lambda: quantize_fp8_silu_and_mul(gate_up, intermediate),
+        "silu_quantizer_group128": lambda: quantize_fp8_silu_and_mul(gate_up, 128),
+    }
+    result = {name: round(time_ms(fn) * 1e3, 1) for name, fn in cases.items()}
+    print(rows, "rows, fused quantizers, us:", result, flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="2048,8192")
+    parser.add_argument("--only", default="gemm,fusion")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/fp8_prefill_gemm"))
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": {}}
-    for rows in map(int, args.rows.split(",")):
+    sections = args.only.split(",")
+    if "fusion" in sections:
+        results["fusion_us"] = fusion(int(args.rows.split(",")[0]))
+    for rows in map(int, args.rows.split(",") if "gemm" in sections else []):
         per_proj = {}
         for name, n, k in PROJECTIONS:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)

@@ -214,11 +214,12 @@ def fp8_gated_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = 
 def fp8_normed_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                       w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`fp8_linear(rms_norm(x), w, bias)`, or with a residual `fp8_linear(fused_add_rms_norm(x, residual), ..)`
-    (the residual updated in place to x + residual, x overwritten or not): an fp8 projection after a norm. Past
+    (the residual updated in place to x + residual; x may be overwritten): an fp8 projection after a norm. Past
     MAX_FP8_GEMV_ROWS rows the normed rows are quantized in the norm's launch (`norm.rms_norm_fp8`, the same codes
     and scales) when the weight has one scale a row of x, so their 16-bit copy is never written or read."""
     # NOTE: one scale a row only: the norm's program then quantizes its row as one group (H100, 8k rows x 4096:
-    # 148.6 -> 99.5 us against norm + quantizer); in 128-column groups it took 659 us (bench/fp8_fusion_check.py).
+    # 148.6 -> 99.5 us against norm + quantizer); in 128-column groups it took 659 us
+    # (`bench/fp8_prefill_gemm.py --only fusion`).
     if x.shape[0] > MAX_FP8_GEMV_ROWS and w.block_k >= w.shape[1]:
         xq, x_scale = rms_norm_fp8(x, residual, norm_weight, eps, w.block_k)
         return fp8_matmul_quantized(xq, x_scale, w, bias, out_dtype=x.dtype)
