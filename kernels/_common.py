@@ -78,6 +78,17 @@ def num_sms(device: torch.device) -> int:
     return 132
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def is_hopper_or_later(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or more (228 KiB of shared memory a multiprocessor); cached."""
+    return device.type == "cuda" and _capability(device.index if device.index is not None
+                                                 else torch.cuda.current_device()) >= (9, 0)
+
+
 def dot_upcast() -> bool:
     """Whether tl.dot operands must be upcast to fp32 first.
 

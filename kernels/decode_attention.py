@@ -19,6 +19,7 @@ from kernels._common import (
     dot_precision,
     dot_upcast,
     fp16_operand,
+    is_hopper_or_later,
     is_interpreter,
     mma,
     next_pow2,
@@ -317,7 +318,7 @@ def _decode_tiles(dtype: torch.dtype, fp16_dots: bool, num_programs: int, device
         # 0.87, 64 x 4,096 0.58 -> 0.82, 16 x 4,096 0.52 -> 0.66, 1 x 16,384 0.40 -> 0.42.
         block_n = block_n or 128
         num_warps = num_warps or 4
-        is_small_grid = num_programs <= 4 * num_sms(device) and torch.cuda.get_device_capability(device)[0] >= 9
+        is_small_grid = num_programs <= 4 * num_sms(device) and is_hopper_or_later(device)
         num_stages = num_stages or (5 if is_small_grid else 3)
         return block_n, {"num_warps": num_warps, "num_stages": num_stages}
     block_n = block_n or (32 if fp32 else 64)

@@ -217,11 +217,8 @@ def fp8_normed_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
     (the residual updated in place to x + residual; x may be overwritten): an fp8 projection after a norm. Past
     MAX_FP8_GEMV_ROWS rows the normed rows are quantized in the norm's launch (`norm.rms_norm_fp8`, the same codes
     and scales) when the weight has one scale a row of x, so their 16-bit copy is never written or read."""
-    # NOTE: one scale a row only: the norm's program then quantizes its row as one group (H100, 8k rows x 4096:
-    # 148.6 -> 99.5 us against norm + quantizer); in 128-column groups it took 659 us
-    # (`bench/fp8_prefill_gemm.py --only fusion`).
-    if x.shape[0] > MAX_FP8_GEMV_ROWS and w.block_k >= w.shape[1]:
-        xq, x_scale = rms_norm_fp8(x, residual, norm_weight, eps, w.block_k)
+    if x.shape[0] > MAX_FP8_GEMV_ROWS and w.block_k >= w.shape[1]:  # one scale a row of x: see rms_norm_fp8
+        xq, x_scale = rms_norm_fp8(x, residual, norm_weight, eps)
         return fp8_matmul_quantized(xq, x_scale, w, bias, out_dtype=x.dtype)
     normed = rms_norm(x, norm_weight, eps) if residual is None else fused_add_rms_norm(x, residual, norm_weight, eps)
     return fp8_linear(normed, w, bias)
