@@ -2,11 +2,14 @@
 
 Per (rows, projection), CUDA events over repeated calls, TFLOP/s:
   bf16        torch.mm of bf16 activations and weights (cuBLAS): the reference
-  shipped     `kernels.fp8_gemm.fp8_linear` (activations quantized per row, then `_scaled_mm` row-wise)
+  shipped     `kernels.fp8_gemm.fp8_linear` (activations quantized per row, then `_scaled_mm` row-wise, fast
+              accumulation unless KERNELS_FP8_FAST_ACCUM=0)
   quantize    `kernels.fp8_quant.quantize_fp8_rows` alone
   rowwise     `_scaled_mm` with row-wise scales alone (what `shipped` calls after quantizing)
   tensorwise  `_scaled_mm` with one scale each
-  *_fast      the same with use_fast_accum (fp8 accumulation promoted periodically: less exact)
+  *_fast      the same with use_fast_accum (the fp8 accumulator not promoted to fp32 every few K steps)
+`rel_err` beside rowwise and rowwise_fast: ||y - ref|| / ||ref|| against the same fp8 operands multiplied in
+float64, so it is the accumulation's error alone (the operands' rounding to e4m3 is not in it).
 and (`fusion`) the input quantizers fused into the launches that compute the input (`rms_norm_fp8`, the GATED
 quantizer) against the launches they replace, at the first of --rows.
 
@@ -99,15 +102,21 @@ def main() -> None:
                 "tensorwise_fast": lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one,
                                                             out_dtype=torch.bfloat16, use_fast_accum=True),
             }
+            ref = (xq.double() * x_scale.double()) @ (wq.double() * ws.double()).t()
             row = {}
+            for case in ("rowwise", "rowwise_fast"):
+                err = (cases[case]().double() - ref).norm() / ref.norm()
+                row[case] = {"rel_err": f"{err.item():.2e}"}
+            del ref
             for case, fn in cases.items():
                 try:
                     ms = time_ms(fn)
-                    row[case] = {"us": round(ms * 1e3, 1), "tflops": round(flops / ms / 1e9, 1)}
+                    row[case] = {**row.get(case, {}), "us": round(ms * 1e3, 1), "tflops": round(flops / ms / 1e9, 1)}
                 except Exception as e:  # noqa: BLE001 - a case torch does not support here: say so, go on
                     row[case] = {"error": repr(e)[:200]}
             per_proj[name] = row
-            print(rows, name, {c: v.get("tflops", v.get("error")) for c, v in row.items()}, flush=True)
+            print(rows, name, {c: v.get("tflops", v.get("error")) for c, v in row.items()},
+                  {c: row[c].get("rel_err") for c in ("rowwise", "rowwise_fast")}, flush=True)
         total = {c: round(sum(per_proj[p][c].get("us", float("nan")) for p in per_proj), 1) for c in per_proj["o"]}
         results["rows"][rows] = {"per_projection": per_proj, "layer_us": total}
         print(rows, "a layer's projections, us:", total, flush=True)
