@@ -1,9 +1,11 @@
 // The AVX-512 path of paged decode attention (the layout and the other path: decode_attention.cpp).
 //
-// One (sequence, kv head) pair at a time: its G query heads score each key row as it is read, the
-// softmax runs 16 scores to a register with a vector exp, and the weighted sum keeps each head's output
-// row in registers over the whole context. The generic path compiles for the baseline ISA (128-bit,
-// scalar exp), which left batch-16 decode spending as long in attention as in the projections.
+// One (sequence, kv head) pair at a time: its G query heads score 16 keys at a time (each key's products
+// summed lane-wise, then the 16 keys' sums in one transposing reduction rather than 16 horizontal ones), the
+// softmax runs 16 scores to a register with a vector exp, and the weighted sum reads each value row once for up
+// to four heads, whose output rows stay in registers over the whole context. The generic path compiles for the
+// baseline ISA (128-bit, scalar exp), which left batch-16 decode spending as long in attention as in the
+// projections.
 
 #include "attention_pair.h"
 
@@ -59,35 +61,88 @@ AVX512_FN void softmax_(float* scores, int64_t len) {
   }
 }
 
-// NV = head_dim / 16 vectors a row.
+// r lane i = the sum of v[kTransposedOrder[i]]'s lanes: four add rounds, each of two shuffles of eight vector
+// pairs, instead of sixteen horizontal reductions. (The shuffles leave the sums in the order given here: an
+// involution, so the caller writes token i's products to v[kTransposedOrder[i]].)
+constexpr int kTransposedOrder[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+AVX512_FN inline __m512 sum_lanes16(__m512 v[16]) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) {  // 128-bit lanes 0+2 and 1+3: v[i] in the low half, v[i + 8] in the high
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // lanes 0-3 hold v[i], v[i + 8], v[i + 4], v[i + 12], four floats each
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[i], t[i + 4], 0x88), _mm512_shuffle_f32x4(t[i], t[i + 4], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {  // within a lane: u[i]'s sum in floats 0 + 2, u[i + 2]'s in 1 + 3
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(u[i], u[i + 2]), _mm512_unpackhi_ps(u[i], u[i + 2]));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x44), _mm512_shuffle_ps(w[0], w[1], 0xEE));
+}
+
+// scores[g * len + t] = scale * q_g . k_t for the group's heads, 16 keys at a time: each key's products with
+// a query head summed lane-wise, then the 16 keys' lanes summed together.
 template <int NV>
-AVX512_FN void attend(const PairArgs& a) {
-  for (int64_t t = 0; t < a.len; ++t) {
-    const float* key = a.keys + a.slot_of(t) * a.row_stride;
-    __m512 k[NV];
-    for (int c = 0; c < NV; ++c) k[c] = _mm512_loadu_ps(key + 16 * c);
+AVX512_FN void score_keys(const PairArgs& a) {
+  for (int64_t t0 = 0; t0 < a.len; t0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, a.len - t0));
+    const float* keys[16];
+    for (int i = 0; i < n; ++i) keys[i] = a.keys + a.slot_of(t0 + i) * a.row_stride;
+    const __mmask16 mask = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
     for (int64_t g = 0; g < a.group; ++g) {
       const float* q = a.queries + g * a.query_stride;
-      __m512 acc0 = _mm512_mul_ps(_mm512_loadu_ps(q), k[0]);
-      __m512 acc1 = _mm512_setzero_ps();  // two chains: half the FMA latency per score
-      for (int c = 1; c < NV; ++c) {
-        if (c % 2) acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), k[c], acc1);
-        else acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), k[c], acc0);
+      __m512 qv[NV];
+      for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+      __m512 products[16];
+      for (int i = 0; i < 16; ++i) {
+        __m512 acc = _mm512_setzero_ps();
+        if (i < n) {
+          for (int c = 0; c < NV; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(keys[i] + 16 * c), acc);
+        }
+        products[kTransposedOrder[i]] = acc;
       }
-      a.scores[g * a.len + t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) * a.scale;
+      const __m512 s = _mm512_mul_ps(sum_lanes16(products), _mm512_set1_ps(a.scale));
+      _mm512_mask_storeu_ps(a.scores + g * a.len + t0, mask, s);
     }
   }
-  for (int64_t g = 0; g < a.group; ++g) softmax_(a.scores + g * a.len, a.len);
-  for (int64_t g = 0; g < a.group; ++g) {
-    const float* p = a.scores + g * a.len;
-    __m512 acc[NV];
-    for (int c = 0; c < NV; ++c) acc[c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < a.len; ++t) {
-      const float* value = a.values + a.slot_of(t) * a.row_stride;
-      const __m512 weight = _mm512_set1_ps(p[t]);
-      for (int c = 0; c < NV; ++c) acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + 16 * c), acc[c]);
+}
+
+// out[g] = sum over t of p_g[t] v_t for GN heads from `first`, each value row read once for all of them.
+template <int NV, int GN>
+AVX512_FN void weigh_values(const PairArgs& a, int64_t first) {
+  __m512 acc[GN][NV];
+  for (int g = 0; g < GN; ++g) {
+    for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
+  }
+  const float* p = a.scores + first * a.len;
+  for (int64_t t = 0; t < a.len; ++t) {
+    const float* value = a.values + a.slot_of(t) * a.row_stride;
+    __m512 v[NV];
+    for (int c = 0; c < NV; ++c) v[c] = _mm512_loadu_ps(value + 16 * c);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 weight = _mm512_set1_ps(p[g * a.len + t]);
+      for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(weight, v[c], acc[g][c]);
     }
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(a.out + g * a.head_dim + 16 * c, acc[c]);
+  }
+  for (int g = 0; g < GN; ++g) {
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(a.out + (first + g) * a.head_dim + 16 * c, acc[g][c]);
+  }
+}
+
+// NV = head_dim / 16 vectors a row. The values' pass takes as many heads at once as keep their accumulators
+// in registers (at most 16 of the 32), in chunks of up to kHeads.
+template <int NV>
+AVX512_FN void attend(const PairArgs& a) {
+  score_keys<NV>(a);
+  for (int64_t g = 0; g < a.group; ++g) softmax_(a.scores + g * a.len, a.len);
+  constexpr int kHeads = NV >= 16 ? 1 : std::min(4, 16 / NV);
+  for (int64_t g = 0; g < a.group; g += kHeads) {
+    switch (std::min<int64_t>(kHeads, a.group - g)) {
+      case 4: if constexpr (kHeads >= 4) weigh_values<NV, 4>(a, g); break;
+      case 3: if constexpr (kHeads >= 3) weigh_values<NV, 3>(a, g); break;
+      case 2: if constexpr (kHeads >= 2) weigh_values<NV, 2>(a, g); break;
+      default: weigh_values<NV, 1>(a, g);
+    }
   }
 }
 

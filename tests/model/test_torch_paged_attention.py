@@ -116,6 +116,13 @@ def test_cpp_decode_head_dims_and_context_edges(head_dim, cpu_isa):
     run_case(8, 2, head_dim, 16, cached_lens=[0, 15, 31, 32, 47], query_lens=[1] * 5, seed=head_dim)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(10, 2, 64), (8, 1, 32), (12, 2, 128), (7, 1, 256)])
+def test_cpp_decode_query_groups_over_several_value_passes(num_heads, num_kv_heads, head_dim, cpu_isa):
+    """Groups of 5-8 query heads: the AVX-512 kernel weighs the values for up to 16 / (head_dim / 16) heads at a
+    time (at most 4), so these take two to seven passes, the last one short."""
+    run_case(num_heads, num_kv_heads, head_dim, 16, cached_lens=[0, 16, 40], query_lens=[1] * 3, seed=num_heads)
+
+
 def test_cpp_decode_softmax_of_far_apart_scores(cpu_isa):
     """Scores hundreds apart: most weights underflow to zero, the largest dominate (the vector exp's range)."""
     gen = torch.Generator().manual_seed(3)
