@@ -63,21 +63,25 @@ def _load_kv_tile(bt_row, first_blocks, k_base, v_base, n, lo, hi, first, stride
     return k, v, valid
 
 
-@triton.jit
+# NOTE: the split count is a run-time argument (not specialized) so that one compiled kernel serves every count:
+# mixed steps choose theirs from their own decode rows, and each new count compiled mid-serving took ~1.4 s
+# (five compiles in an H100's first offline run: mixed steps 23.6 s against 16.4 once compiled).
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr,  # [num_seqs, num_q_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,
     block_tables_ptr,  # [num_seqs, max_num_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
-    out_ptr,  # [num_seqs, num_q_heads, head_dim]          (NUM_SPLITS == 1)
-    part_o_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS, head_dim] fp32 (NUM_SPLITS > 1)
-    part_lse_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] fp32, log2 domain
+    out_ptr,  # [num_seqs, num_q_heads, head_dim]          (not SPLIT)
+    part_o_ptr,  # [num_seqs, num_q_heads, num_splits, head_dim] fp32 (SPLIT)
+    part_lse_ptr,  # [num_seqs, num_q_heads, num_splits] fp32, log2 domain
     sm_scale,  # softmax scale times the K dequant scale
     soft_cap,
     v_scale,
     one,  # 1.0 (see FP16_DOTS below)
     window,
+    num_splits,  # 1 unless SPLIT
     stride_q_seq,
     stride_q_head,
     stride_k_block,
@@ -114,7 +118,7 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: partials for the merge
     USE_WINDOW: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -134,7 +138,7 @@ def _decode_split_kernel(
     # NOTE: the context's length and its pages come from the host, not from the previous kernel: read
     # before the PDL wait (with the first tile's page numbers), they are at hand when the query is.
     seq_len = tl.load(seq_lens_ptr + seq)
-    first, lo, hi, num_active = split_bounds(seq_len, window, split, NUM_SPLITS, BLOCK_N, USE_WINDOW)
+    first, lo, hi, num_active = split_bounds(seq_len, window, split, num_splits, BLOCK_N, USE_WINDOW)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     first_tile = lo + tl.arange(0, BLOCK_N)
     first_blocks = tl.load(bt_row + first_tile // PAGE_SIZE, mask=first_tile < hi, other=0)
@@ -193,7 +197,7 @@ def _decode_split_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     hd_mask = h_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o = o * v_scale
         tl.store(
             out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
@@ -277,6 +281,7 @@ def paged_decode_attention(
         float(v_scale),
         1.0,
         int(sliding_window or 0),
+        num_kv_splits,
         *paged_kv_strides(q, k_cache, v_cache, block_tables, out),
         *part_strides,
         group,
@@ -287,7 +292,7 @@ def paged_decode_attention(
         BLOCK_H=max(16, next_pow2(group)),
         BLOCK_N=block_n,
         PAGE_SIZE=page_size,
-        NUM_SPLITS=num_kv_splits,
+        SPLIT=num_kv_splits > 1,
         USE_WINDOW=sliding_window is not None,
         USE_SOFT_CAP=soft_cap is not None,
         DOT_PREC=dot_precision(q.dtype),
@@ -300,6 +305,16 @@ def paged_decode_attention(
     if num_kv_splits > 1:
         merge_splits(part_o, part_lse, seq_lens, out, v_scale, sliding_window, block_n)
     return out
+
+
+def decode_launch_variants(q_dtype: torch.dtype, k_cache: torch.Tensor) -> list[tuple[int, int]]:
+    """(num_kv_splits, num_stages) pairs that reach every compiled variant `paged_decode_attention` may launch for
+    queries of q_dtype over this cache (one split or several, each pipeline depth `_decode_tiles` picks): an
+    engine launches each once before serving, so that no step compiles one (~1.4 s each on an H100)."""
+    fp16_dots = k_cache.dtype == FP8_DTYPE and q_dtype != torch.float32
+    stages = {_decode_tiles(q_dtype, fp16_dots, num_programs, k_cache.device, None, None, None)[1].get("num_stages", 0)
+              for num_programs in (1, 1 << 30)}  # the smallest grid and the largest
+    return [(num_kv_splits, num_stages) for num_kv_splits in (1, 2) for num_stages in sorted(stages)]
 
 
 def _decode_tiles(dtype: torch.dtype, fp16_dots: bool, num_programs: int, device: torch.device,

@@ -23,23 +23,23 @@ MIN_TOKENS_PER_SPLIT = 128
 
 
 @triton.jit
-def split_bounds(seq_len, window, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr):
+def split_bounds(seq_len, window, split, num_splits, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr):
     """(first visible key, [lo, hi) of this split, number of non-empty splits) of one sequence."""
     first = seq_len * 0
     if USE_WINDOW:
         first = tl.maximum(seq_len - window, 0)
     start = (first // BLOCK_N) * BLOCK_N
     num_tiles = tl.cdiv(seq_len - start, BLOCK_N)
-    # NOTE: a CUDA graph fixes NUM_SPLITS for the longest context it may meet: a short context
+    # NOTE: a CUDA graph fixes num_splits for the longest context it may meet: a short context
     # fills fewer splits (one tile each), and the merge reads only those.
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), 1)  # 1 for an empty context: no 0 / 0
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), 1)  # 1 for an empty context: no 0 / 0
     num_active = tl.cdiv(num_tiles, tiles_per_split)
     lo = start + split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
     return first, lo, hi, num_active
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     part_o_ptr,
     part_lse_ptr,
@@ -47,6 +47,7 @@ def _decode_merge_kernel(
     out_ptr,
     v_scale,
     window,
+    num_splits,
     stride_po_seq,
     stride_po_head,
     stride_po_split,
@@ -57,22 +58,22 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # MAX_KV_SPLITS: one compiled merge for every split count
     USE_WINDOW: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     # NOTE: seq_lens comes from the host, not from the split kernel: read before the PDL wait
-    _, _, _, num_active = split_bounds(tl.load(seq_lens_ptr + seq), window, 0, NUM_SPLITS, BLOCK_N, USE_WINDOW)
+    _, _, _, num_active = split_bounds(tl.load(seq_lens_ptr + seq), window, 0, num_splits, BLOCK_N, USE_WINDOW)
     pdl_enter(USE_PDL)
-    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_s = tl.arange(0, BLOCK_S)
     s_mask = offs_s < num_active  # partials of empty splits are never written
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
 
     lse = tl.load(part_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + offs_s, mask=s_mask,
-                  other=float("-inf"))  # [NUM_SPLITS]
+                  other=float("-inf"))  # [BLOCK_S]
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
     w = tl.exp2(lse - m)
@@ -82,7 +83,7 @@ def _decode_merge_kernel(
         part_o_ptr + seq * stride_po_seq + head * stride_po_head + offs_s[:, None] * stride_po_split + offs_d[None, :],
         mask=s_mask[:, None] & d_mask[None, :],
         other=0.0,
-    )  # [NUM_SPLITS, BLOCK_D]
+    )  # [BLOCK_S, BLOCK_D]
     o = tl.sum(o * w[:, None], 0) * (v_scale / denom)
     tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d, cast(o, out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -117,6 +118,7 @@ def merge_splits(
         out,
         float(v_scale),
         int(sliding_window or 0),
+        num_splits,
         part_o.stride(0),
         part_o.stride(1),
         part_o.stride(2),
@@ -127,7 +129,7 @@ def merge_splits(
         HEAD_DIM=head_dim,
         BLOCK_D=next_pow2(head_dim),
         BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
+        BLOCK_S=MAX_KV_SPLITS,
         USE_WINDOW=sliding_window is not None,
         **pdl_args(out.device),
     )

@@ -19,6 +19,8 @@ first. Neither launch needs a host sync: the decode split count comes from the s
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,6 +51,18 @@ class TritonPagedAttention:
         # step asks the same, so it is computed once a step.
         self._splits_for: tuple[int, int] | None = None
         self._splits = 1
+        # Set inside `compiling_every_variant`: each eager decode launch runs at every one of these instead.
+        self._every_variant: list[tuple[int, int]] | None = None
+
+    @contextlib.contextmanager
+    def compiling_every_variant(self, q_dtype: torch.dtype, k_cache: torch.Tensor) -> Iterator[None]:
+        """Within it, a step outside the CUDA graphs launches its decode attention at every compiled variant
+        it could take (`kernels.decode_launch_variants`), so that one forward before serving compiles them."""
+        self._every_variant = self._kernels.decode_launch_variants(q_dtype, k_cache)
+        try:
+            yield
+        finally:
+            self._every_variant = None
 
     def forward(
         self,
@@ -82,12 +96,14 @@ class TritonPagedAttention:
             # its KV head's whole context (a GQA group reads it group times over); the decode kernel
             # reads it once for the group. In a mixed step of a few prefills and hundreds of long
             # decodes that is most of the step's attention time.
-            kern.paged_decode_attention(
-                q[:num_decodes], k_cache, v_cache, metadata.block_tables[:num_decodes],
-                metadata.seq_lens[:num_decodes], scale, out=out[:num_decodes],
-                num_kv_splits=self._num_kv_splits(num_decodes, metadata.max_seq_len, k_cache),
-                k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            )
+            variants = self._every_variant or [(self._num_kv_splits(num_decodes, metadata.max_seq_len, k_cache), 0)]
+            for num_kv_splits, num_stages in variants:
+                kern.paged_decode_attention(
+                    q[:num_decodes], k_cache, v_cache, metadata.block_tables[:num_decodes],
+                    metadata.seq_lens[:num_decodes], scale, out=out[:num_decodes], num_kv_splits=num_kv_splits,
+                    num_stages=num_stages or None, k_scale=self.k_scale, v_scale=self.v_scale,
+                    sliding_window=sliding_window, soft_cap=soft_cap,
+                )
         if spans is not None:
             dense_prefill_attention(q, k, v, spans, scale, out)
             return out

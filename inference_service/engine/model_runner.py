@@ -136,6 +136,26 @@ class ModelRunner:
                 except RuntimeError as e:  # a kernel that cannot be captured: slower first tokens, not no server
                     logger.warning("prefill CUDA graphs not captured (%s): prefills run eagerly", e)
                     torch.cuda.synchronize(device)
+            if peers is None:  # tensor parallelism: the other ranks would not follow an eager step
+                self._compile_eager_variants()
+
+    @torch.inference_mode()
+    def _compile_eager_variants(self) -> None:
+        """One eager forward of a mixed step (a decode and a prefill chunk after a cached token), reading block 0
+        and writing nothing, with the decode attention launched at every compiled variant: what steps outside the
+        graphs launch is compiled before the first request (an H100's first offline run compiled five kernels
+        mid-run, ~1.4 s each)."""
+        backend = self.model.attention_backend
+        if not hasattr(backend, "compiling_every_variant"):
+            return
+        width = self.inputs.block_tables.device.shape[1]  # the steps' own table width (kernels specialize on it)
+        metadata = AttentionMetadata.for_sequences([1, 1], [1, 2], [[0] * width] * 2, self.block_size, self.device,
+                                                   write_kv=False)
+        input_ids = torch.zeros(3, dtype=torch.int64, device=self.device)
+        positions = torch.tensor([1, 1, 2], dtype=torch.int64, device=self.device)
+        with backend.compiling_every_variant(self.dtype, self.kv_caches[0][0]):
+            self.model(input_ids, positions, self.kv_caches, metadata)
+        torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def execute_model(self, scheduled: list[ScheduledSeq], in_flight: LaunchedStep | None = None) -> ForwardStep:

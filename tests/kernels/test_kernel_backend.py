@@ -97,6 +97,33 @@ def test_triton_backend_matches_torch(case, dtype, heads, head_dim, block_size):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiling_every_variant_launches_each_and_keeps_the_output(dtype, monkeypatch):
+    """A mixed step inside `compiling_every_variant` (what the engine runs once before serving) launches its
+    decode attention at every (splits, stages) variant, and still returns the step's attention."""
+    import kernels
+
+    gen = torch.Generator().manual_seed(5)
+    md, owned_slots, _ = _step(CASES["mixed_decodes_first"], 16, 24, gen)
+    num_tokens = md.query_start_loc_cpu[-1]
+    q, k, v = (torch.randn(num_tokens, h, 64, generator=gen).to(dtype=dtype, device=DEVICE) for h in (4, 2, 2))
+    k_cache, v_cache = (torch.randn(24, 16, 2, 64, generator=gen).to(dtype=dtype, device=DEVICE) for _ in range(2))
+    expected = TritonPagedAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), md, 0.125)
+    launches = []
+    launch = kernels.paged_decode_attention
+    monkeypatch.setattr(kernels, "paged_decode_attention", lambda *a, **kw: launches.append(
+        (kw["num_kv_splits"], kw["num_stages"])) or launch(*a, **kw))
+    backend = TritonPagedAttention()
+    with backend.compiling_every_variant(dtype, k_cache):
+        out = backend.forward(q, k, v, k_cache, v_cache, md, 0.125)
+    variants = kernels.decode_launch_variants(dtype, k_cache)
+    assert {splits for splits, _ in variants} == {1, 2}
+    assert launches == [(splits, stages or None) for splits, stages in variants]
+    assert rel_err(out, expected) < TOL[dtype]
+    backend.forward(q, k, v, k_cache, v_cache, md, 0.125)  # outside: one launch again
+    assert len(launches) == len(variants) + 1
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_decoder_on_triton_backend_matches_torch(tmp_path, model_type):
     """A tiny dummy-weight decoder through a prefill step then two decode steps: the Triton backend's
