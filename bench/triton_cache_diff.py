@@ -1,6 +1,7 @@
 """Which Triton kernels a run compiled: the compile metadata of two Triton cache folders compared.
 
-    TRITON_CACHE_DIR=/tmp/tc/start python bench/gpu_engine.py --only offline_fp8 --offline-requests 1 --offline-lens 16,2
+    TRITON_CACHE_DIR=/tmp/tc/start python bench/gpu_engine.py --only offline_fp8 --offline-requests 1 \
+        --offline-lens 16,2
     cp -r /tmp/tc/start /tmp/tc/run
     TRITON_CACHE_DIR=/tmp/tc/run python bench/gpu_engine.py --only offline_fp8
     python bench/triton_cache_diff.py /tmp/tc/start /tmp/tc/run
