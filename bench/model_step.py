@@ -1,10 +1,12 @@
 """Decode step time of the embedded SmolLM2's bare model (no engine, no scheduler) through the paged test
 harness, per batch size: what the model itself costs a token on this machine.
 
-    python bench/model_step.py [--batch 1 16] [--steps 40] [--isa amx avx512 --rounds 3]
+    python bench/model_step.py [--batch 1 16] [--steps 40] [--isa amx avx512 --rounds 3] [--context 1000]
+                               [--cache-dtypes float32 float16]
 
-With several `--isa`, the quantized matmul's paths alternate round by round in one process (this machine's
-speed drifts between minutes), and each path's median over all its steps is reported.
+With several `--isa` or `--cache-dtypes` (the KV cache's, as `--kv-cache-dtype` sets it), the settings alternate
+round by round in one process (this machine's speed drifts between minutes), and each one's median over all its
+steps is reported. `--context` prefills the prompt repeated to that many tokens first.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import argparse
 import os
 import sys
 import time
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,24 +47,32 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="batch sizes to time")
     parser.add_argument("--steps", type=int, default=40, help="decode steps timed per batch size")
     parser.add_argument("--isa", nargs="+", default=[None], help="quantized matmul paths to alternate (amx, avx512)")
-    parser.add_argument("--rounds", type=int, default=1, help="alternations of the --isa paths")
+    parser.add_argument("--rounds", type=int, default=1, help="alternations of the --isa paths and cache dtypes")
+    parser.add_argument("--context", type=int, default=0, help="prompt tokens (the chat prompt repeated)")
+    parser.add_argument("--cache-dtypes", nargs="+", default=["float32"], help="KV cache dtypes to alternate")
     args = parser.parse_args()
     loaded = load_model(None)
-    harness = PagedHarness(loaded.model, num_blocks=512)
     tok = loaded.tokenizer
     prompt_ids = tok.encode(tok.apply_chat_template(PROMPT), add_special_tokens=False)
+    if args.context:
+        prompt_ids = (prompt_ids * (args.context // len(prompt_ids) + 1))[:args.context]
+    num_blocks = max(512, max(args.batch) * -(-(len(prompt_ids) + args.steps) // 16))
+    harnesses = {name: PagedHarness(loaded.model, num_blocks=num_blocks, cache_dtype=getattr(torch, name))
+                 for name in args.cache_dtypes}
     ext = load_extension()
+    settings = [(isa, name) for isa in args.isa for name in args.cache_dtypes]
     for batch in args.batch:
-        times: dict[str | None, list[float]] = {isa: [] for isa in args.isa}
+        times: dict[tuple, list[float]] = {setting: [] for setting in settings}
         for _ in range(args.rounds):
-            for isa in args.isa:
+            for isa, name in settings:
                 if isa is not None:
                     ext.limit_instruction_set(isa)
-                times[isa].extend(step_times(harness, prompt_ids, batch, args.steps))
-        for isa, isa_times in times.items():
+                times[isa, name].extend(step_times(harnesses[name], prompt_ids, batch, args.steps))
+        for (isa, name), isa_times in times.items():
             isa_times.sort()
             median = isa_times[len(isa_times) // 2]
-            label = f"batch {batch}" + ("" if isa is None else f" {isa}")
+            label = (f"batch {batch}" + ("" if isa is None else f" {isa}")
+                     + ("" if len(args.cache_dtypes) == 1 else f" {name}"))
             print(f"{label:<16}: median step {median * 1000:.1f} ms, "
                   f"min {isa_times[0] * 1000:.1f} ms -> {batch / median:.1f} tok/s (best {batch / isa_times[0]:.1f})")
     if ext is not None:

@@ -137,8 +137,9 @@ def _add_cache_and_scheduler_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's meaning, instead of --gpu-memory-fraction: fraction of the GPU's TOTAL memory "
                         "this engine may use in all; the KV cache gets it less what is in use after loading "
                         "(weights, other processes) and the activation peaks")
-    c.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
-                   help="auto: the model dtype; fp8 (= fp8_e4m3): half the memory and bytes read; Triton only")
+    c.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp16", "float16"],
+                   help="auto: the model dtype; fp8 (= fp8_e4m3): half the memory and bytes read, Triton only; "
+                        "fp16 (= float16): half a float32 model's, the CPU backend only")
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share KV blocks between requests with identical prompt prefixes")
     c.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 # vLLM's spellings of the same types: "half"/"float" dtypes, "fp8_e4m3" (our fp8 is e4m3).
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-_KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}
+_KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8", "float16": "fp16"}
 
 
 @dataclass(slots=True)
@@ -24,13 +24,15 @@ class CacheConfig:
     # activations, KV cache); set, it replaces `gpu_memory_fraction`. None = not given.
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
-    # "auto" = the model dtype; "fp8" = e4m3 with unit scales (Triton backend only): half the bytes.
+    # "auto" = the model dtype; "fp8" = e4m3 with unit scales (Triton backend only): half the bytes; "fp16" (CPU
+    # backend only, as llama.cpp's default cache): half a float32 model's bytes.
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         self.kv_cache_dtype = _KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
-        if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"--kv-cache-dtype must be auto, fp8 or fp8_e4m3, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp16"):
+            raise ValueError("--kv-cache-dtype must be auto, fp8 (fp8_e4m3) or fp16 (float16), "
+                             f"got {self.kv_cache_dtype!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"--block-size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.kv_cache_memory_mib is not None and self.kv_cache_memory_mib <= 0:

@@ -13,9 +13,11 @@ seen from query position i when i - window < j <= i) and soft-cap its scores (Ge
 before the mask, as HF does); such layers take the explicit-score path, others SDPA.
 
 A decode-only step in float32 on the CPU (no window, no soft cap) is one C++ call per layer instead
-(`cpu_kernels`, which writes the
-keys and values and attends, with the same arithmetic): at batch 1 the dozen torch ops above cost more
-than the attention itself.
+(`cpu_kernels`, which writes the keys and values and attends, with the same arithmetic): at batch 1 the dozen
+torch ops above cost more than the attention itself.
+
+The cache may hold float16 (`--kv-cache-dtype fp16`) under float32 activations: keys and values are rounded to
+it when written and widened back when read, the arithmetic staying in the activations' dtype.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ class TorchPagedAttention:
     def __init__(self, use_cpu_kernels: bool = True) -> None:
         self.use_cpu_kernels = use_cpu_kernels
         self._plan_metadata: AttentionMetadata | None = None
-        self._plan_key: tuple | None = None  # (k_cache.shape[1:], dtype) the plan was built for
+        self._plan_key: tuple | None = None  # (k_cache.shape[1:], q's dtype) the plan was built for
         self._plan: _StepPlan | None = None
         self._cpu_ops = None  # the C++ decode path, found on the first float32 CPU step
         self._cpu_ops_checked = not use_cpu_kernels
@@ -97,23 +99,23 @@ class TorchPagedAttention:
         sliding_window: int | None = None,
         soft_cap: float | None = None,
     ) -> torch.Tensor:
-        if (metadata.max_query_len == 1 and k_cache.dtype == torch.float32 and sliding_window is None
+        if (metadata.max_query_len == 1 and k_cache.dtype in (torch.float32, torch.float16) and sliding_window is None
                 and soft_cap is None and q.shape[0] == metadata.seq_lens.shape[0]):
             if not self._cpu_ops_checked:
-                self._cpu_ops, self._cpu_ops_checked = cpu_ops_for(k_cache), True
+                self._cpu_ops, self._cpu_ops_checked = cpu_ops_for(q), True
             if self._cpu_ops is not None:
                 return self._cpu_ops.paged_decode_attention(q, k, v, k_cache, v_cache, metadata.block_tables,
                                                             metadata.seq_lens, metadata.slot_mapping, scale)
-        plan = self._get_plan(metadata, k_cache)
+        plan = self._get_plan(metadata, k_cache, q.dtype)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
         if plan.write_rows is None:
-            k_flat.index_copy_(0, plan.write_slots, k)
-            v_flat.index_copy_(0, plan.write_slots, v)
+            k_flat.index_copy_(0, plan.write_slots, k.to(k_flat.dtype))
+            v_flat.index_copy_(0, plan.write_slots, v.to(v_flat.dtype))
         elif plan.write_slots.numel():
-            k_flat.index_copy_(0, plan.write_slots, k.index_select(0, plan.write_rows))
-            v_flat.index_copy_(0, plan.write_slots, v.index_select(0, plan.write_rows))
+            k_flat.index_copy_(0, plan.write_slots, k.index_select(0, plan.write_rows).to(k_flat.dtype))
+            v_flat.index_copy_(0, plan.write_slots, v.index_select(0, plan.write_rows).to(v_flat.dtype))
 
         if not plan.prefill and plan.decode_rows is None:
             # Every row is one decode sequence: the output is the batched result itself.
@@ -133,7 +135,8 @@ class TorchPagedAttention:
                 # No cached prefix: the new keys are the whole context, and the mask is plain causal.
                 ctx_k, ctx_v, causal_mask = k[start:end], v[start:end], None
             else:
-                ctx_k, ctx_v = k_flat.index_select(0, slots), v_flat.index_select(0, slots)  # [L, Hkv, D]
+                ctx_k = k_flat.index_select(0, slots).to(q.dtype)  # [L, Hkv, D]
+                ctx_v = v_flat.index_select(0, slots).to(q.dtype)
                 query_len = end - start
                 # Query j sits at position seq_len - query_len + j and sees keys up to it.
                 rows = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
@@ -158,7 +161,8 @@ class TorchPagedAttention:
                           sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
         """One sequence's queries q [Tq, Hq, D] over its context, with a window and/or a soft cap."""
         query_len, num_heads, head_dim = q.shape
-        ctx_k, ctx_v = (k, v) if slots is None else (k_flat.index_select(0, slots), v_flat.index_select(0, slots))
+        ctx_k, ctx_v = (k, v) if slots is None else (k_flat.index_select(0, slots).to(q.dtype),
+                                                     v_flat.index_select(0, slots).to(q.dtype))
         num_kv_heads = ctx_k.shape[1]
         group = num_heads // num_kv_heads
         rows = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]  # [Tq, 1] query positions
@@ -188,7 +192,8 @@ class TorchPagedAttention:
             grouped_q = q.view(num_seqs, num_kv_heads, group, head_dim)  # [1, Hkv, G, D]
             ctx_k = k_cache.view(-1, num_kv_heads, head_dim)[first:first + length].unsqueeze(0).transpose(1, 2)
             ctx_v = v_cache.view(-1, num_kv_heads, head_dim)[first:first + length].unsqueeze(0).transpose(1, 2)
-            # ctx_k, ctx_v: [1, Hkv, L, D] views of the cache
+            # ctx_k, ctx_v: [1, Hkv, L, D] views of the cache (widened copies of a float16 one)
+            ctx_k, ctx_v = ctx_k.to(q.dtype), ctx_v.to(q.dtype)
             attn = F.scaled_dot_product_attention(grouped_q, ctx_k, ctx_v, scale=scale)
             return attn.reshape(num_seqs, num_heads, head_dim)
         # NOTE: the G query heads sharing a kv head become G query rows of that head, so GQA needs no
@@ -196,8 +201,8 @@ class TorchPagedAttention:
         # batched matmul over (sequence, kv head) pairs costs far less than SDPA's per-pair kernel here.
         batch = num_seqs * num_kv_heads
         gather, mask = cls._decode_gather_and_mask(plan, num_kv_heads, k_cache.shape[1], q.dtype, sliding_window)
-        ctx_k = k_cache.view(-1, head_dim).index_select(0, gather).view(batch, -1, head_dim)
-        ctx_v = v_cache.view(-1, head_dim).index_select(0, gather).view(batch, -1, head_dim)
+        ctx_k = k_cache.view(-1, head_dim).index_select(0, gather).view(batch, -1, head_dim).to(q.dtype)
+        ctx_v = v_cache.view(-1, head_dim).index_select(0, gather).view(batch, -1, head_dim).to(q.dtype)
         # ctx_k, ctx_v: [S * Hkv, L, D]
         grouped_q = q.reshape(batch, group, head_dim)  # [S * Hkv, G, D]
         if soft_cap is not None:
@@ -226,10 +231,10 @@ class TorchPagedAttention:
             plan.window_masks[sliding_window] = plan.decode_mask.masked_fill(hidden, float("-inf"))
         return plan.decode_gather, plan.window_masks[sliding_window]
 
-    def _get_plan(self, metadata: AttentionMetadata, k_cache: torch.Tensor) -> _StepPlan:
-        key = (k_cache.shape[1:], k_cache.dtype)
+    def _get_plan(self, metadata: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype) -> _StepPlan:
+        key = (k_cache.shape[1:], dtype)
         if metadata is not self._plan_metadata or key != self._plan_key:
-            self._plan = self._build_plan(metadata, k_cache.shape[1], k_cache.shape[2], k_cache.dtype)
+            self._plan = self._build_plan(metadata, k_cache.shape[1], k_cache.shape[2], dtype)
             self._plan_metadata, self._plan_key = metadata, key
         return self._plan
 

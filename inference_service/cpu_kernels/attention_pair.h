@@ -9,9 +9,10 @@ struct PairArgs {
   const float* queries;   // the pair's first query head; head g at queries + g * query_stride
   int64_t query_stride;
   int64_t group;          // query heads sharing this kv head
-  const float* keys;      // the cache's slot 0, this kv head: slot s at keys + s * row_stride
-  const float* values;
-  int64_t row_stride;     // floats per cache slot (all kv heads)
+  const void* keys;       // the cache's slot 0, this kv head: slot s at keys + s * row_stride elements
+  const void* values;
+  bool is_half;           // the cache holds IEEE float16 (as uint16_t), else float32
+  int64_t row_stride;     // elements per cache slot (all kv heads)
   const int32_t* block_table;
   int64_t block_size;
   int64_t len;            // context length, this step's token included

@@ -1,7 +1,8 @@
 // Paged decode attention for float32 on the CPU: each sequence's one new query attends its whole context.
 //
 // One call per layer writes the step's keys and values into the cache and attends every (sequence, kv
-// head) pair: the pair's G query heads share each key and value row as it is read. Scores, softmax and
+// head) pair: the pair's G query heads share each key and value row as it is read. The cache holds float32
+// or float16 (rounded to nearest even when written, as torch's cast, widened when read). Scores, softmax and
 // the weighted sum are float32 (the max subtracted before exp, as softmax does), so results equal the
 // torch path's up to summation order (and the AVX-512 path's exp, within 2 ulp of libm's).
 //
@@ -17,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -33,12 +35,26 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
+// Row `slot` of a cache (its kv head's head_dim elements) as float32: the row itself, or widened into `buffer`.
+template <typename T>
+const float* cache_row(const T* cache, int64_t slot, int64_t row_stride, int64_t head_dim, float* buffer) {
+  const T* row = cache + slot * row_stride;
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    for (int64_t i = 0; i < head_dim; ++i) buffer[i] = c10::detail::fp16_ieee_to_fp32_value(row[i]);
+    return buffer;
+  }
+}
+
 // The generic path: any head_dim, the compiler's vectors for the baseline ISA, libm's exp.
+template <typename T>
 void attend_pair(const attention::PairArgs& a) {
   const int64_t len = a.len, head_dim = a.head_dim;
   float* scores = a.scores;
+  std::vector<float> row(head_dim);
   for (int64_t t = 0; t < len; ++t) {
-    const float* key = a.keys + a.slot_of(t) * a.row_stride;
+    const float* key = cache_row(static_cast<const T*>(a.keys), a.slot_of(t), a.row_stride, head_dim, row.data());
     for (int64_t g = 0; g < a.group; ++g) scores[g * len + t] = dot(a.queries + g * a.query_stride, key, head_dim) * a.scale;
   }
   for (int64_t g = 0; g < a.group; ++g) {
@@ -51,9 +67,19 @@ void attend_pair(const attention::PairArgs& a) {
   }
   std::fill_n(a.out, a.group * head_dim, 0.f);
   for (int64_t t = 0; t < len; ++t) {
-    const float* value = a.values + a.slot_of(t) * a.row_stride;
+    const float* value = cache_row(static_cast<const T*>(a.values), a.slot_of(t), a.row_stride, head_dim, row.data());
     for (int64_t g = 0; g < a.group; ++g) axpy(scores[g * len + t], value, a.out + g * head_dim, head_dim);
   }
+}
+
+// n floats into a cache row: as they are, or rounded to float16 (nearest even, as torch's cast).
+void store_row(const float* src, int64_t n, bool is_half, char* dst) {
+  if (!is_half) {
+    std::copy_n(src, n, reinterpret_cast<float*>(dst));
+    return;
+  }
+  uint16_t* half = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) half[i] = c10::detail::fp16_ieee_from_fp32_value(src[i]);
 }
 
 }  // namespace
@@ -63,9 +89,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                                      const torch::Tensor& slot_mapping, double scale) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3 && q.stride(2) == 1, "q must be float32 [S, Hq, D]");
-  TORCH_CHECK(k_cache.dtype() == torch::kFloat32 && k_cache.dim() == 4 && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() && v_cache.dtype() == torch::kFloat32,
-              "caches must be contiguous float32 [num_blocks, block_size, Hkv, D]");
+  const bool is_half = k_cache.dtype() == torch::kFloat16;
+  TORCH_CHECK((is_half || k_cache.dtype() == torch::kFloat32) && k_cache.dim() == 4 && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() && v_cache.dtype() == k_cache.dtype(),
+              "caches must be contiguous float32 or float16 [num_blocks, block_size, Hkv, D], both alike");
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes do not match");
@@ -79,15 +106,17 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(slot_mapping.dtype() == torch::kInt64 && slot_mapping.numel() == num_seqs && slot_mapping.is_contiguous(),
               "slot_mapping must be int64 [S]");
   const int64_t num_slots = k_cache.size(0) * block_size, row = num_kv_heads * head_dim;
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  const int64_t element = k_cache.element_size();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t s = 0; s < num_seqs; ++s) {  // write this step's keys and values first: the query sees its own
     if (slots[s] < 0) continue;
     TORCH_CHECK(slots[s] < num_slots, "slot ", slots[s], " out of range");
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      std::copy_n(k.data_ptr<float>() + s * k.stride(0) + h * k.stride(1), head_dim, kc + slots[s] * row + h * head_dim);
-      std::copy_n(v.data_ptr<float>() + s * v.stride(0) + h * v.stride(1), head_dim, vc + slots[s] * row + h * head_dim);
+      const int64_t at = (slots[s] * row + h * head_dim) * element;
+      store_row(k.data_ptr<float>() + s * k.stride(0) + h * k.stride(1), head_dim, is_half, kc + at);
+      store_row(v.data_ptr<float>() + s * v.stride(0) + h * v.stride(1), head_dim, is_half, vc + at);
     }
   }
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -107,10 +136,15 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       const int64_t s = pair / num_kv_heads, h = pair % num_kv_heads;
       scores.resize(group * lens[s]);
       const attention::PairArgs args{qp + s * q.stride(0) + h * group * q.stride(1), q.stride(1), group,
-                                     kc + h * head_dim, vc + h * head_dim, row, tables + s * table_stride,
-                                     block_size, lens[s], head_dim, (float)scale, scores.data(),
-                                     op + (s * num_heads + h * group) * head_dim};
-      if (!(avx512 && attention::attend_pair_avx512(args))) attend_pair(args);
+                                     kc + h * head_dim * element, vc + h * head_dim * element, is_half, row,
+                                     tables + s * table_stride, block_size, lens[s], head_dim, (float)scale,
+                                     scores.data(), op + (s * num_heads + h * group) * head_dim};
+      if (avx512 && attention::attend_pair_avx512(args)) continue;
+      if (is_half) {
+        attend_pair<uint16_t>(args);
+      } else {
+        attend_pair<float>(args);
+      }
     }
   });
   return out;

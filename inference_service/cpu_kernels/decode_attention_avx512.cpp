@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #define AVX512_FN __attribute__((target("avx512f,avx2,fma")))
 
@@ -61,6 +62,12 @@ AVX512_FN void softmax_(float* scores, int64_t len) {
   }
 }
 
+// 16 elements of a cache row as float32 (float16 widened exactly).
+AVX512_FN inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+AVX512_FN inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // r lane i = the sum of v[kTransposedOrder[i]]'s lanes: four add rounds, each of two shuffles of eight vector
 // pairs, instead of sixteen horizontal reductions. (The shuffles leave the sums in the order given here: an
 // involution, so the caller writes token i's products to v[kTransposedOrder[i]].)
@@ -81,13 +88,23 @@ AVX512_FN inline __m512 sum_lanes16(__m512 v[16]) {
 }
 
 // scores[g * len + t] = scale * q_g . k_t for the group's heads, 16 keys at a time: each key's products with
-// a query head summed lane-wise, then the 16 keys' lanes summed together.
-template <int NV>
+// a query head summed lane-wise, then the 16 keys' lanes summed together. float16 keys are widened once into
+// `widened` (in L1), not once per query head.
+template <int NV, typename T>
 AVX512_FN void score_keys(const PairArgs& a) {
+  alignas(64) float widened[std::is_same_v<T, float> ? 1 : 16][16 * NV];
   for (int64_t t0 = 0; t0 < a.len; t0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, a.len - t0));
     const float* keys[16];
-    for (int i = 0; i < n; ++i) keys[i] = a.keys + a.slot_of(t0 + i) * a.row_stride;
+    for (int i = 0; i < n; ++i) {
+      const T* row = static_cast<const T*>(a.keys) + a.slot_of(t0 + i) * a.row_stride;
+      if constexpr (std::is_same_v<T, float>) {
+        keys[i] = row;
+      } else {
+        for (int c = 0; c < NV; ++c) _mm512_store_ps(widened[i] + 16 * c, load16(row + 16 * c));
+        keys[i] = widened[i];
+      }
+    }
     const __mmask16 mask = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
     for (int64_t g = 0; g < a.group; ++g) {
       const float* q = a.queries + g * a.query_stride;
@@ -108,7 +125,7 @@ AVX512_FN void score_keys(const PairArgs& a) {
 }
 
 // out[g] = sum over t of p_g[t] v_t for GN heads from `first`, each value row read once for all of them.
-template <int NV, int GN>
+template <int NV, int GN, typename T>
 AVX512_FN void weigh_values(const PairArgs& a, int64_t first) {
   __m512 acc[GN][NV];
   for (int g = 0; g < GN; ++g) {
@@ -116,9 +133,9 @@ AVX512_FN void weigh_values(const PairArgs& a, int64_t first) {
   }
   const float* p = a.scores + first * a.len;
   for (int64_t t = 0; t < a.len; ++t) {
-    const float* value = a.values + a.slot_of(t) * a.row_stride;
+    const T* value = static_cast<const T*>(a.values) + a.slot_of(t) * a.row_stride;
     __m512 v[NV];
-    for (int c = 0; c < NV; ++c) v[c] = _mm512_loadu_ps(value + 16 * c);
+    for (int c = 0; c < NV; ++c) v[c] = load16(value + 16 * c);
     for (int g = 0; g < GN; ++g) {
       const __m512 weight = _mm512_set1_ps(p[g * a.len + t]);
       for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(weight, v[c], acc[g][c]);
@@ -131,33 +148,38 @@ AVX512_FN void weigh_values(const PairArgs& a, int64_t first) {
 
 // NV = head_dim / 16 vectors a row. The values' pass takes as many heads at once as keep their accumulators
 // in registers (at most 16 of the 32), in chunks of up to kHeads.
-template <int NV>
+template <int NV, typename T>
 AVX512_FN void attend(const PairArgs& a) {
-  score_keys<NV>(a);
+  score_keys<NV, T>(a);
   for (int64_t g = 0; g < a.group; ++g) softmax_(a.scores + g * a.len, a.len);
   constexpr int kHeads = NV >= 16 ? 1 : std::min(4, 16 / NV);
   for (int64_t g = 0; g < a.group; g += kHeads) {
     switch (std::min<int64_t>(kHeads, a.group - g)) {
-      case 4: if constexpr (kHeads >= 4) weigh_values<NV, 4>(a, g); break;
-      case 3: if constexpr (kHeads >= 3) weigh_values<NV, 3>(a, g); break;
-      case 2: if constexpr (kHeads >= 2) weigh_values<NV, 2>(a, g); break;
-      default: weigh_values<NV, 1>(a, g);
+      case 4: if constexpr (kHeads >= 4) weigh_values<NV, 4, T>(a, g); break;
+      case 3: if constexpr (kHeads >= 3) weigh_values<NV, 3, T>(a, g); break;
+      case 2: if constexpr (kHeads >= 2) weigh_values<NV, 2, T>(a, g); break;
+      default: weigh_values<NV, 1, T>(a, g);
     }
+  }
+}
+
+template <typename T>
+bool attend_typed(const PairArgs& args) {
+  switch (args.head_dim) {
+    case 16: attend<1, T>(args); return true;
+    case 32: attend<2, T>(args); return true;
+    case 64: attend<4, T>(args); return true;
+    case 96: attend<6, T>(args); return true;
+    case 128: attend<8, T>(args); return true;
+    case 256: attend<16, T>(args); return true;
+    default: return false;
   }
 }
 
 }  // namespace
 
 bool attend_pair_avx512(const PairArgs& args) {
-  switch (args.head_dim) {
-    case 16: attend<1>(args); return true;
-    case 32: attend<2>(args); return true;
-    case 64: attend<4>(args); return true;
-    case 96: attend<6>(args); return true;
-    case 128: attend<8>(args); return true;
-    case 256: attend<16>(args); return true;
-    default: return false;
-  }
+  return args.is_half ? attend_typed<uint16_t>(args) : attend_typed<float>(args);
 }
 
 }  // namespace attention

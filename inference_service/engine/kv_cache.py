@@ -43,6 +43,11 @@ class KVCacheSpec:
                 raise ValueError("--kv-cache-dtype fp8 needs the Triton attention backend (a CUDA device, "
                                  f"or --attention-backend triton); this engine uses {attention_backend!r}")
             dtype = FP8_KV_DTYPE
+        elif cache_config.kv_cache_dtype == "fp16":
+            if attention_backend == "triton":
+                raise ValueError("--kv-cache-dtype fp16 is for the CPU attention backend; this engine uses the "
+                                 "Triton one (where --kv-cache-dtype fp8 halves a 16-bit cache)")
+            dtype = torch.float16
         return cls(model_config.num_hidden_layers, cache_config.block_size, model_config.num_key_value_heads,
                    model_config.head_dim, dtype)
 

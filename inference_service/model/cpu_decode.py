@@ -62,9 +62,9 @@ class CpuDecodeLayers:
     @staticmethod
     def takes(num_tokens: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata) -> bool:
         """Whether this step is decode-only (one token a sequence), within the quantized kernels' batch,
-        over a float32 cache (the C++ attention's)."""
+        over a float32 or float16 cache (the C++ attention's)."""
         return (metadata.max_query_len == 1 and num_tokens == metadata.seq_lens.shape[0]
-                and not expands_for(num_tokens) and kv_caches[0][0].dtype == torch.float32)
+                and not expands_for(num_tokens) and kv_caches[0][0].dtype in (torch.float32, torch.float16))
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry
 
 from inference_service.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -60,6 +61,19 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_float16_kv_cache_holds_twice_the_blocks_and_decodes_the_same(loaded):
+    """`--kv-cache-dtype fp16` end to end: the same MiB hold twice the blocks, and greedy generation (prefills,
+    prefix hits, batched decodes) gives the float32 cache's tokens on these prompts."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    fp32 = make_engine(loaded)
+    config = EngineConfig(cache=CacheConfig(kv_cache_memory_mib=64, kv_cache_dtype="fp16"))
+    fp16 = LLMEngine(config, loaded=loaded, metrics=EngineMetrics("test", registry=CollectorRegistry()))
+    assert fp16.model_runner.kv_caches[0][0].dtype == torch.float16
+    assert fp16.block_manager.num_blocks == 2 * fp32.block_manager.num_blocks
+    assert run(fp16, PROMPTS, params) == run(fp32, PROMPTS, params)
+    assert_all_blocks_free(fp16)
 
 
 def test_sixteen_concurrent_equal_each_alone(loaded):

@@ -144,6 +144,12 @@ def test_kv_cache_spec_dtype_and_block_bytes():
     assert spec.bytes_per_block == 2 * 3 * 16 * 2 * 16 * 2  # k and v, layers, tokens, kv heads, head_dim, bytes
     fp8 = KVCacheSpec.build(_model_config(), CacheConfig(block_size=16, kv_cache_dtype="fp8"), torch.bfloat16, "triton")
     assert fp8.dtype == FP8_KV_DTYPE and fp8.bytes_per_block == spec.bytes_per_block // 2
+    fp32 = KVCacheSpec.build(_model_config(), CacheConfig(block_size=16), torch.float32, "torch_paged")
+    fp16 = KVCacheSpec.build(_model_config(), CacheConfig(block_size=16, kv_cache_dtype="float16"), torch.float32,
+                             "torch_paged")
+    assert fp16.dtype == torch.float16 and fp16.bytes_per_block == fp32.bytes_per_block // 2
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp16 is for the CPU attention backend"):
+        KVCacheSpec.build(_model_config(), CacheConfig(kv_cache_dtype="fp16"), torch.bfloat16, "triton")
 
 
 def test_fp8_kv_cache_needs_the_triton_backend():
@@ -152,7 +158,7 @@ def test_fp8_kv_cache_needs_the_triton_backend():
 
 
 def test_gpu_config_validation():
-    with pytest.raises(ValueError, match="--kv-cache-dtype must be auto, fp8 or fp8_e4m3"):
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype must be auto, fp8 \(fp8_e4m3\) or fp16 \(float16\)"):
         CacheConfig(kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="--max-cuda-graph-batch-size must be >= 1"):
         EngineConfig(max_cuda_graph_batch_size=0)

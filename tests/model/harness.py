@@ -22,10 +22,12 @@ def build_metadata(seq_lens_before: list[int], query_lens: list[int], block_tabl
 class PagedHarness:
     """Greedy generation for a batch of prompts through `DecoderModel.forward` on a paged cache."""
 
-    def __init__(self, model: DecoderModel, num_blocks: int = 256, block_size: int = 16, seed: int = 0):
+    def __init__(self, model: DecoderModel, num_blocks: int = 256, block_size: int = 16, seed: int = 0,
+                 cache_dtype: torch.dtype | None = None):
         self.model, self.block_size = model, block_size
         shape = model.kv_cache_shape(num_blocks, block_size)
-        self.kv_caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+        dtype = cache_dtype or model.dtype
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
                           for _ in range(model.config.num_hidden_layers)]
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)

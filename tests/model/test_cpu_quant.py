@@ -166,6 +166,19 @@ def test_packed_model_generates_what_the_dequantized_model_does(smollm, smollm_d
     torch.testing.assert_close(logits, reference, rtol=1e-3, atol=1e-2)
 
 
+def test_float16_kv_cache_decodes_the_float32_caches_tokens(smollm, smollm_prompts, monkeypatch):
+    """`--kv-cache-dtype fp16` on the embedded model: its decode steps still take the C++ layers, and rounding the
+    cached keys and values to float16 leaves these prompts' greedy tokens those of the float32 cache."""
+    fast = smollm.model.stack.cpu_decode_layers
+    calls = []
+    monkeypatch.setattr(fast, "forward", lambda *args: calls.append(1) or type(fast).forward(fast, *args))
+    prompts = smollm_prompts[:6]
+    got = PagedHarness(smollm.model, num_blocks=128, block_size=16, cache_dtype=torch.float16).generate(prompts, 32)
+    assert len(calls) == 31
+    expected = PagedHarness(smollm.model, num_blocks=128, block_size=16).generate(prompts, 32)
+    assert got == expected
+
+
 def test_concurrent_callers_get_their_own_results():
     """The kernels' worker pool serves several calling threads (the engine loop, an embedding thread)."""
     import threading

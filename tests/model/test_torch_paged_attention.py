@@ -26,12 +26,15 @@ def dense_attention(q, k, v, scale):
 
 
 def run_case(num_heads, num_kv_heads, head_dim, block_size, cached_lens, query_lens, seed, pad_rows=0,
-             use_cpu_kernels=True):
+             use_cpu_kernels=True, cache_dtype=torch.float32):
+    """One step of float32 queries over a cache of `cache_dtype`, against the dense reference over the keys and
+    values as the cache holds them (a float16 cache rounds the step's new ones when it writes them; a whole fresh
+    prompt attends over its own, unrounded)."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     num_blocks = 64
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables, histories_k, histories_v = [], [], []
@@ -39,8 +42,8 @@ def run_case(num_heads, num_kv_heads, head_dim, block_size, cached_lens, query_l
         # Each sequence's already-cached context: random keys/values written into its own blocks.
         total = cached + query_lens[len(tables)]
         table = [free.pop() for _ in range(math.ceil(total / block_size))]
-        hk = torch.randn(cached, num_kv_heads, head_dim, generator=gen)
-        hv = torch.randn(cached, num_kv_heads, head_dim, generator=gen)
+        hk = torch.randn(cached, num_kv_heads, head_dim, generator=gen).to(cache_dtype).float()
+        hv = torch.randn(cached, num_kv_heads, head_dim, generator=gen).to(cache_dtype).float()
         for pos in range(cached):
             k_cache[table[pos // block_size], pos % block_size] = hk[pos]
             v_cache[table[pos // block_size], pos % block_size] = hv[pos]
@@ -63,15 +66,17 @@ def run_case(num_heads, num_kv_heads, head_dim, block_size, cached_lens, query_l
     assert (backend._cpu_ops is not None) == (use_cpu_kernels and max(query_lens) == 1 and not pad_rows)
     assert out.shape == (total_rows, num_heads, head_dim)
     start = 0
+    stored_k, stored_v = k.to(cache_dtype), v.to(cache_dtype)
     for i, (cached, query_len) in enumerate(zip(cached_lens, query_lens)):
         rows = slice(start, start + query_len)
-        ctx_k = torch.cat([histories_k[i], k[rows]])
-        ctx_v = torch.cat([histories_v[i], v[rows]])
+        is_fresh_prompt = cached == 0 and query_len > 1
+        ctx_k = torch.cat([histories_k[i], k[rows] if is_fresh_prompt else stored_k[rows].float()])
+        ctx_v = torch.cat([histories_v[i], v[rows] if is_fresh_prompt else stored_v[rows].float()])
         expected = dense_attention(q[rows], ctx_k, ctx_v, scale)
         torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
         for j, pos in enumerate(range(cached, cached + query_len)):
-            assert torch.equal(k_cache[tables[i][pos // block_size], pos % block_size], k[start + j])
-            assert torch.equal(v_cache[tables[i][pos // block_size], pos % block_size], v[start + j])
+            assert torch.equal(k_cache[tables[i][pos // block_size], pos % block_size], stored_k[start + j])
+            assert torch.equal(v_cache[tables[i][pos // block_size], pos % block_size], stored_v[start + j])
         start += query_len
     # Nothing but the new tokens' slots changed (the -1 padding rows wrote nothing).
     changed = (k_cache != untouched).any(-1).any(-1).nonzero().tolist()
@@ -114,6 +119,16 @@ def test_cpp_decode_head_dims_and_context_edges(head_dim, cpu_isa):
     """Every head dim the AVX-512 kernel has (48: none, the generic path), contexts of one token, of whole
     16-score registers and just past them."""
     run_case(8, 2, head_dim, 16, cached_lens=[0, 15, 31, 32, 47], query_lens=[1] * 5, seed=head_dim)
+
+
+@pytest.mark.parametrize("use_cpu_kernels", [True, False], ids=["cpp", "torch"])
+def test_float16_cache_under_float32_queries(use_cpu_kernels, cpu_isa):
+    """`--kv-cache-dtype fp16`: keys and values rounded to float16 as written (bit for bit torch's cast), widened
+    when read, by the C++ decode (both paths, head dims with and without an AVX-512 kernel) and the torch ops."""
+    for head_dim in (64, 48):
+        run_case(9, 3, head_dim, 16, cached_lens=[0, 15, 40, 200], query_lens=[1] * 4, seed=head_dim,
+                 use_cpu_kernels=use_cpu_kernels, cache_dtype=torch.float16)
+    run_case(4, 2, 32, 8, cached_lens=[0, 9, 17, 3], query_lens=[7, 5, 1, 1], seed=2, cache_dtype=torch.float16)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(10, 2, 64), (8, 1, 32), (12, 2, 128), (7, 1, 256)])
