@@ -13,11 +13,12 @@ import os
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from inference_service.cpu_kernels.quant import load_extension  # noqa: E402
+
+# NOTE: after inference_service, which sets GOMP_SPINCOUNT before torch first loads libgomp (the engine's setting).
+import torch  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 30
 

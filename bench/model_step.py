@@ -16,13 +16,14 @@ import os
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from inference_service.cpu_kernels.quant import load_extension  # noqa: E402
 from inference_service.model.loader import load_model  # noqa: E402
 from tests.model.harness import PagedHarness  # noqa: E402
+
+# NOTE: after inference_service, which sets GOMP_SPINCOUNT before torch first loads libgomp (the engine's setting).
+import torch  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Tell me a long story about a dragon."}]
 
