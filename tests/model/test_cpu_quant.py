@@ -166,6 +166,34 @@ def test_packed_model_generates_what_the_dequantized_model_does(smollm, smollm_d
     torch.testing.assert_close(logits, reference, rtol=1e-3, atol=1e-2)
 
 
+def _short_steps_logits(model, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Logits of three short steps: the prompts' first 8 tokens together; one decode each; then the first
+    sequence's decode beside a 5-token chunk of the second's prompt after its cached prefix (a mixed step)."""
+    harness = PagedHarness(model, num_blocks=64, block_size=16)
+    tables = [[] for _ in prompts]
+    first = harness.step([p[:8] for p in prompts], [0] * len(prompts), tables)
+    decode = harness.step([[int(row.argmax())] for row in first], [8] * len(prompts), tables)
+    mixed = harness.step([[int(decode[0].argmax())], prompts[1][8:13]], [9, 9], tables[:2])
+    return [first, decode, mixed]
+
+
+def test_short_prompts_and_mixed_steps_run_in_cpp_layers(smollm, smollm_prompts, monkeypatch):
+    """Steps of up to MAX_CPP_STEP_TOKENS tokens with prompt tokens (fresh prompts, a chunk after a cached
+    prefix, decodes beside it) run in the C++ layers as one query row a token: the eager layers' logits up to
+    float32 summation order (their prompts attend through SDPA), and the same greedy tokens."""
+    fast = smollm.model.stack.cpu_decode_layers
+    calls = []
+    monkeypatch.setattr(fast, "forward", lambda *args: calls.append(args[0].shape[0]) or type(fast).forward(fast, *args))
+    prompts = [p for p in smollm_prompts if len(p) >= 13][:3]
+    got = _short_steps_logits(smollm.model, prompts)
+    assert calls == [24, 3, 6]
+    monkeypatch.setattr(smollm.model.stack, "cpu_decode_layers", None)
+    expected = _short_steps_logits(smollm.model, prompts)
+    for step, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-2, msg=lambda m, step=step: f"step {step}: {m}")
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), step
+
+
 def test_float16_kv_cache_decodes_the_float32_caches_tokens(smollm, smollm_prompts, monkeypatch):
     """`--kv-cache-dtype fp16` on the embedded model: its decode steps still take the C++ layers, and rounding the
     cached keys and values to float16 leaves these prompts' greedy tokens those of the float32 cache."""
