@@ -18,5 +18,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const std::vector<LinearPartArgs>&, std::optional<torch::Tensor>, const std::vector<LinearPartArgs>&,
                     std::optional<torch::Tensor>, const std::vector<LinearPartArgs>&, const std::vector<LinearPartArgs>&,
                     torch::Tensor, torch::Tensor, double, int64_t, int64_t, int64_t, int64_t, double, bool>())
-      .def("forward", &CpuDecoderLayer::forward, "hidden += layer(hidden) for one decode token per sequence");
+      .def("forward", &CpuDecoderLayer::forward, "hidden += layer(hidden), one query a row");
 }

@@ -42,7 +42,7 @@ CpuDecoderLayer::CpuDecoderLayer(const std::vector<LinearPartArgs>& qkv, std::op
       num_kv_heads_(num_kv_heads), head_dim_(head_dim), intermediate_size_(intermediate_size), scale_(scale),
       is_gelu_(is_gelu) {}
 
-// hidden [N, H] (the residual stream, updated in place); cos, sin_signed [N, 1, D]; one query per sequence.
+// hidden [N, H] (the residual stream, updated in place); cos, sin_signed [N, 1, D]; one query a row.
 void CpuDecoderLayer::forward(torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin_signed,
                               torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& block_tables,
                               const torch::Tensor& seq_lens, const torch::Tensor& slot_mapping) const {

@@ -15,8 +15,8 @@ struct LinearPart {
 };
 using LinearPartArgs = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t>;
 
-// A pre-norm Llama-family layer (RMSNorm, RoPE on all of each head, gated MLP) for decode rows: one
-// token per sequence, float32, attention over the paged cache.
+// A pre-norm Llama-family layer (RMSNorm, RoPE on all of each head, gated MLP) for query rows, float32:
+// row i attends block_tables[i] up to seq_lens[i] (a decode token, or one token of a short prompt).
 class CpuDecoderLayer {
  public:
   CpuDecoderLayer(const std::vector<LinearPartArgs>& qkv, std::optional<torch::Tensor> qkv_bias,

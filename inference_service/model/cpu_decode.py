@@ -1,8 +1,9 @@
-"""Decode steps of a GGUF model on the CPU, one C++ call per layer (`cpu_kernels/decoder_layer.cpp`).
+"""Decode and short steps of a GGUF model on the CPU, one C++ call per layer (`cpu_kernels/decoder_layer.cpp`).
 
 At batch 1 the embedded model's layer streams ~2 MB of packed weights, and the torch calls around its
-matmuls cost about as much again in dispatch; `CpuDecodeLayers` runs a whole layer's decode step in one
-call over the same kernels in the same order as the eager layer, so its tokens are the eager path's.
+matmuls cost about as much again in dispatch; `CpuDecodeLayers` runs a whole layer's step in one call over
+the same kernels in the same order as the eager layer, so a decode step's logits are the eager path's bit for
+bit (a prompt's rows attend through the decode kernel instead of SDPA: the same up to summation order).
 It takes the plain Llama-family layer (RMSNorm, full-head RoPE, gated MLP, every projection in GGUF
 blocks, float32) and steps of up to MAX_CPP_STEP_TOKENS tokens; anything else runs the eager layers.
 
@@ -85,8 +86,7 @@ class CpuDecodeLayers:
         block_tables, seq_lens, slots = metadata.block_tables, metadata.seq_lens, metadata.slot_mapping
         if hidden.shape[0] != seq_lens.shape[0]:  # prompt tokens: one query row a token (see the module doc)
             starts = metadata.query_start_loc_cpu
-            row_seq = torch.repeat_interleave(torch.arange(len(starts) - 1),
-                                              torch.tensor([hi - lo for lo, hi in zip(starts, starts[1:])]))
+            row_seq = torch.repeat_interleave(torch.arange(len(starts) - 1), torch.tensor(starts).diff())
             if row_seq.shape[0] < hidden.shape[0]:  # trailing padding rows (slot -1): their own position
                 row_seq = torch.cat([row_seq, row_seq.new_zeros(hidden.shape[0] - row_seq.shape[0])])
             block_tables = block_tables.index_select(0, row_seq)  # [T, max_blocks]
