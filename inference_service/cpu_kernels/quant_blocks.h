@@ -13,10 +13,12 @@ constexpr int64_t kBlock = 32;
 
 inline int64_t quant_bytes_per_block(int64_t qtype) { return qtype == kQ8_0 ? 32 : 16; }
 
-// Asks for the cache lines of [start, start + num_bytes) in L1 (quant_avx512.cpp's kPrefetchPairs says why).
+// Asks for the cache lines of [start, start + num_bytes) in L1 (or the level kHint names; quant_avx512.cpp's
+// kPrefetchPairs says why).
+template <_mm_hint kHint = _MM_HINT_T0>
 inline void prefetch_lines(const void* start, int64_t num_bytes) {
   const char* p = static_cast<const char*>(start);
-  for (int64_t offset = 0; offset < num_bytes; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T0);
+  for (int64_t offset = 0; offset < num_bytes; offset += 64) _mm_prefetch(p + offset, kHint);
 }
 
 // quant_avx512.cpp: out[n, r] for weight rows [first, last) and every activation row; one row expanded.

@@ -69,8 +69,10 @@ def test_blocks_decode_as_gguf_dequantizes_them(qtype):
 def test_matmul_matches_float64_reference(qtype, isa):
     rng = np.random.default_rng()
     # Odd weight row counts (a row left over after the pairs, a partial 16-row AMX tile; 250 rows split
-    # over two tasks), several widths, every batch 1..17 and larger ones (several 16-token AMX tiles).
-    for rows, cols in ((1, 32), (37, 96), (66, 160), (5, 576), (250, 576)):
+    # over two tasks), several widths (the AMX path's K chunks: one, three of six blocks, four and three),
+    # 600 rows (a task's second 256-row AMX panel starting after a shorter chunk), every batch 1..17 and
+    # larger ones (several 16-token AMX tiles).
+    for rows, cols in ((1, 32), (37, 96), (66, 160), (5, 576), (250, 576), (600, 224)):
         weight = QuantizedWeight.from_gguf_blocks(random_blocks(qtype, rows, cols, rng), qtype)
         for num_rows in [*range(1, 18), 33, 64, 100]:
             x = torch.randn(num_rows, cols)
