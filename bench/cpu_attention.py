@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from inference_service.cpu_kernels.quant import load_extension  # noqa: E402
 
+# isort: split
 # NOTE: after inference_service, which sets GOMP_SPINCOUNT before torch first loads libgomp (the engine's setting).
 import torch  # noqa: E402
 

@@ -22,6 +22,7 @@ from inference_service.cpu_kernels.quant import load_extension  # noqa: E402
 from inference_service.model.loader import load_model  # noqa: E402
 from tests.model.harness import PagedHarness  # noqa: E402
 
+# isort: split
 # NOTE: after inference_service, which sets GOMP_SPINCOUNT before torch first loads libgomp (the engine's setting).
 import torch  # noqa: E402
 
