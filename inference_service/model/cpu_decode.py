@@ -1,19 +1,22 @@
-"""Decode and short steps of a GGUF model on the CPU, one C++ call per layer (`cpu_kernels/decoder_layer.cpp`).
+"""Steps of a GGUF model on the CPU, one C++ call per layer (`cpu_kernels/decoder_layer.cpp`).
 
 At batch 1 the embedded model's layer streams ~2 MB of packed weights, and the torch calls around its
 matmuls cost about as much again in dispatch; `CpuDecodeLayers` runs a whole layer's step in one call over
 the same kernels in the same order as the eager layer, so a decode step's logits are the eager path's bit for
 bit (a prompt's rows attend through the decode kernel instead of SDPA: the same up to summation order).
 It takes the plain Llama-family layer (RMSNorm, full-head RoPE, gated MLP, every projection in GGUF
-blocks, float32) and steps of up to MAX_CPP_STEP_TOKENS tokens; anything else runs the eager layers.
+blocks, float32) and every step whose quantized matmuls run in blocks (`expands_for`: any step where the CPU
+has AMX, up to 48 tokens elsewhere); anything else runs the eager layers.
 
-A step with prompt tokens (a short prompt, or a mixed step of decodes and a prompt's chunk) runs as one row a
-token: token t of a sequence is a query over the sequence's first t + 1 positions (its own block table, a
-context length of its position + 1), which the decode attention computes as causal attention does, after the
-call has written every row's key and value. A served batch's late prompts arrive as such steps: eagerly, 15
-decodes and an 11-token prompt took ~51 ms against ~22 for 16 decodes (2-core CPU, 2026-11-27), most of it the
-torch ops' dispatch and two thread pools between them. Past a few dozen tokens the eager layers' attention (one
-SDPA a prompt) reads each key once for many queries and wins.
+A step with prompt tokens (a prompt, or a mixed step of decodes and a prompt's chunk) runs as one row a token:
+token t of a sequence is a query over the sequence's first t + 1 positions (its own block table, a context
+length of its position + 1), which the decode attention computes as causal attention does, after the call has
+written every row's key and value. Eagerly, 15 decodes and an 11-token prompt took ~51 ms against ~22 for 16
+decodes (2-core CPU, 2026-11-27), most of it the torch ops' dispatch and two thread pools between them. Though
+each query row reads its keys again, the C++ layers stay ahead of the eager ones (one SDPA a prompt) however
+long the step, where AMX runs the matmuls (2-core Xeon, 2026-11-27, alone in a step: a 128-token prompt 89
+against 115 ms, 512 tokens 374-386 against 490-505, 4,096 tokens 23-25 s against 28.5; 15 decodes beside a
+128- / 512-token chunk 116-119 / 420-426 ms against 157-158 / 541-566).
 """
 
 from __future__ import annotations
@@ -24,9 +27,6 @@ from inference_service.attention.metadata import AttentionMetadata
 from inference_service.cpu_kernels.quant import load_extension
 from inference_service.model.gguf_linear import GGUFLinear, expands_for
 from inference_service.model.norms import RMSNorm
-
-# Most tokens a step may have to run in the C++ layers (decodes and short prompts, one row a token).
-MAX_CPP_STEP_TOKENS = 48
 
 
 def _parts(linear: GGUFLinear) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]] | None:
@@ -71,12 +71,10 @@ class CpuDecodeLayers:
         return cls(layers, model.stack.rotary)
 
     @staticmethod
-    def takes(num_tokens: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata) -> bool:
-        """Whether this step runs in the C++ layers: every decode-only step within the quantized kernels' batch,
-        and steps with prompt tokens of up to MAX_CPP_STEP_TOKENS tokens, over a float32 or float16 cache."""
-        is_decode_only = metadata.max_query_len == 1 and num_tokens == metadata.seq_lens.shape[0]
-        return ((is_decode_only or num_tokens <= MAX_CPP_STEP_TOKENS) and not expands_for(num_tokens)
-                and kv_caches[0][0].dtype in (torch.float32, torch.float16))
+    def takes(num_tokens: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether a step of `num_tokens` runs in the C++ layers: when its quantized matmuls run in blocks (not
+        expanded to dense BLAS), over a float32 or float16 cache."""
+        return not expands_for(num_tokens) and kv_caches[0][0].dtype in (torch.float32, torch.float16)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata) -> torch.Tensor:

@@ -46,7 +46,7 @@ class EagerStack:
         """hidden [T, H] embeddings (a fresh buffer, used as the residual stream) -> the stream after
         the last layer [T, H]."""
         fast = self.cpu_decode_layers
-        if fast is not None and fast.takes(hidden.shape[0], kv_caches, metadata):
+        if fast is not None and fast.takes(hidden.shape[0], kv_caches):
             return fast.forward(hidden, positions, kv_caches, metadata)
         use_long = self._uses_long_rope(positions, metadata)
         tables = {False: self.rotary.lookup(positions, use_long)}  # [T, 1, R] each, shared by every layer

@@ -180,12 +180,13 @@ def _short_steps_logits(model, prompts: list[list[int]]) -> list[torch.Tensor]:
 
 
 def test_short_prompts_and_mixed_steps_run_in_cpp_layers(smollm, smollm_prompts, monkeypatch):
-    """Steps of up to MAX_CPP_STEP_TOKENS tokens with prompt tokens (fresh prompts, a chunk after a cached
-    prefix, decodes beside it) run in the C++ layers as one query row a token: the eager layers' logits up to
-    float32 summation order (their prompts attend through SDPA), and the same greedy tokens."""
+    """Short steps with prompt tokens (fresh prompts, a chunk after a cached prefix, decodes beside it) run in
+    the C++ layers as one query row a token: the eager layers' logits up to float32 summation order (their
+    prompts attend through SDPA), and the same greedy tokens."""
     fast = smollm.model.stack.cpu_decode_layers
     calls = []
-    monkeypatch.setattr(fast, "forward", lambda *args: calls.append(args[0].shape[0]) or type(fast).forward(fast, *args))
+    monkeypatch.setattr(fast, "forward",
+                        lambda *args: calls.append(args[0].shape[0]) or type(fast).forward(fast, *args))
     prompts = [p for p in smollm_prompts if len(p) >= 13][:3]
     got = _short_steps_logits(smollm.model, prompts)
     assert calls == [24, 3, 6]
@@ -196,15 +197,44 @@ def test_short_prompts_and_mixed_steps_run_in_cpp_layers(smollm, smollm_prompts,
         assert torch.equal(a.argmax(-1), b.argmax(-1)), step
 
 
+def _long_steps_logits(model, tokens: list[int]) -> list[torch.Tensor]:
+    """Logits of two long steps: a 100-token prompt beside another's first 8 tokens (108 rows: two of the AMX
+    path's 64-token passes); then the first sequence's decode beside a 70-token chunk of the second's."""
+    harness = PagedHarness(model, num_blocks=64, block_size=16)
+    tables = [[], []]
+    first = harness.step([tokens[:100], tokens[100:108]], [0, 0], tables)
+    mixed = harness.step([[int(first[0].argmax())], tokens[108:178]], [100, 8], tables)
+    return [first, mixed]
+
+
+def test_long_steps_run_in_cpp_layers_where_amx_runs_the_matmuls(smollm, smollm_prompts, monkeypatch):
+    """Where AMX runs the quantized matmuls at any row count, steps of any length take the C++ layers (faster
+    than the eager ones however long, see cpu_decode.py), with the eager layers' logits up to summation order;
+    elsewhere, past MAX_QUANTIZED_MATMUL_ROWS rows, the eager layers (dense BLAS)."""
+    fast = smollm.model.stack.cpu_decode_layers
+    calls = []
+    monkeypatch.setattr(fast, "forward",
+                        lambda *args: calls.append(args[0].shape[0]) or type(fast).forward(fast, *args))
+    tokens = [t for ids in smollm_prompts for t in ids]
+    assert len(tokens) >= 178
+    got = _long_steps_logits(smollm.model, tokens)
+    assert calls == ([108, 71] if EXTENSION.instruction_set() == "amx" else [])
+    monkeypatch.setattr(smollm.model.stack, "cpu_decode_layers", None)
+    expected = _long_steps_logits(smollm.model, tokens)
+    for step, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-2, msg=lambda m, step=step: f"step {step}: {m}")
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), step
+
+
 def test_float16_kv_cache_decodes_the_float32_caches_tokens(smollm, smollm_prompts, monkeypatch):
-    """`--kv-cache-dtype fp16` on the embedded model: its decode steps still take the C++ layers, and rounding the
+    """`--kv-cache-dtype fp16` on the embedded model: its steps still take the C++ layers, and rounding the
     cached keys and values to float16 leaves these prompts' greedy tokens those of the float32 cache."""
     fast = smollm.model.stack.cpu_decode_layers
     calls = []
     monkeypatch.setattr(fast, "forward", lambda *args: calls.append(1) or type(fast).forward(fast, *args))
     prompts = smollm_prompts[:6]
     got = PagedHarness(smollm.model, num_blocks=128, block_size=16, cache_dtype=torch.float16).generate(prompts, 32)
-    assert len(calls) == 31
+    assert len(calls) == 31 + (EXTENSION.instruction_set() == "amx")  # every decode step (and with AMX the prefill)
     expected = PagedHarness(smollm.model, num_blocks=128, block_size=16).generate(prompts, 32)
     assert got == expected
 
@@ -255,8 +285,11 @@ def test_decode_steps_run_in_cpp_layers_with_the_eager_layers_logits(smollm, smo
     calls = []
     monkeypatch.setattr(fast, "forward", lambda *args: calls.append(1) or type(fast).forward(fast, *args))
     prompts = smollm_prompts[:3]
+    # The prefill runs eagerly in both runs (with AMX it would take the C++ layers too, whose prompt rows attend
+    # through the decode kernel: the same cache up to summation order, not bit for bit).
+    monkeypatch.setattr(fast, "takes", lambda num_tokens, kv_caches: num_tokens == len(prompts))
     got = _decode_logits(smollm.model, prompts, 6)
-    assert len(calls) == 6  # every decode step, and no prefill
+    assert len(calls) == 6  # every decode step
     monkeypatch.setattr(stack, "cpu_decode_layers", None)
     expected = _decode_logits(smollm.model, prompts, 6)
     for step, (a, b) in enumerate(zip(got, expected)):
