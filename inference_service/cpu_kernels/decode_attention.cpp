@@ -23,6 +23,9 @@
 
 namespace {
 
+// Most rows of one sequence a tile of the AVX-512 path attends together (TileArgs).
+constexpr int64_t kTileRows = 16;
+
 inline float dot(const float* a, const float* b, int64_t n) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
@@ -130,20 +133,53 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const bool avx512 = uses_avx512();
-  WorkerPool::instance().run(0, num_seqs * num_kv_heads, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scores;
-    for (int64_t pair = first; pair < last; ++pair) {
-      const int64_t s = pair / num_kv_heads, h = pair % num_kv_heads;
-      scores.resize(group * lens[s]);
-      const attention::PairArgs args{qp + s * q.stride(0) + h * group * q.stride(1), q.stride(1), group,
-                                     kc + h * head_dim * element, vc + h * head_dim * element, is_half, row,
-                                     tables + s * table_stride, block_size, lens[s], head_dim, (float)scale,
-                                     scores.data(), op + (s * num_heads + h * group) * head_dim};
-      if (avx512 && attention::attend_pair_avx512(args)) continue;
-      if (is_half) {
-        attend_pair<uint16_t>(args);
-      } else {
-        attend_pair<float>(args);
+  // Tiles of up to kTileRows consecutive rows of one sequence (a prompt's chunk: the same block table, contexts
+  // one position apart): the AVX-512 path reads each key and value once for the whole tile, not once a row.
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (first row, rows)
+  auto same_table = [&](int64_t a, int64_t b) {
+    const int64_t used = (lens[b] + block_size - 1) / block_size;
+    return std::equal(tables + a * table_stride, tables + a * table_stride + used, tables + b * table_stride);
+  };
+  for (int64_t s = 0; s < num_seqs;) {
+    int64_t n = 1;
+    while (avx512 && s + n < num_seqs && n < kTileRows && lens[s + n] == lens[s + n - 1] + 1 && same_table(s, s + n)) {
+      ++n;
+    }
+    tiles.emplace_back(s, n);
+    s += n;
+  }
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  WorkerPool::instance().run(0, num_tiles * num_kv_heads, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores, acc;
+    for (int64_t item = first; item < last; ++item) {
+      // Tiles in the order first, last, second, second to last...: a prompt's later tiles read longer contexts,
+      // and the pool hands each thread a contiguous range of items.
+      const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
+      const auto [s0, rows] = tiles[t % 2 == 0 ? t / 2 : num_tiles - 1 - t / 2];
+      auto pair_args = [&](int64_t s, int64_t len) {
+        return attention::PairArgs{qp + s * q.stride(0) + h * group * q.stride(1), q.stride(1), group,
+                                   kc + h * head_dim * element, vc + h * head_dim * element, is_half, row,
+                                   tables + s * table_stride, block_size, len, head_dim, (float)scale,
+                                   nullptr, op + (s * num_heads + h * group) * head_dim};
+      };
+      if (rows > 1) {
+        const int64_t len = lens[s0 + rows - 1];
+        scores.resize(rows * group * len);
+        acc.resize(rows * group * head_dim);
+        attention::TileArgs tile{pair_args(s0, len), rows, q.stride(0), num_heads * head_dim, acc.data()};
+        tile.pair.scores = scores.data();
+        if (attention::attend_tile_avx512(tile)) continue;
+      }
+      for (int64_t s = s0; s < s0 + rows; ++s) {
+        scores.resize(group * lens[s]);
+        attention::PairArgs args = pair_args(s, lens[s]);
+        args.scores = scores.data();
+        if (avx512 && attention::attend_pair_avx512(args)) continue;
+        if (is_half) {
+          attend_pair<uint16_t>(args);
+        } else {
+          attend_pair<float>(args);
+        }
       }
     }
   });

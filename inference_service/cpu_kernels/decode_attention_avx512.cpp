@@ -87,11 +87,11 @@ AVX512_FN inline __m512 sum_lanes16(__m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x44), _mm512_shuffle_ps(w[0], w[1], 0xEE));
 }
 
-// scores[g * len + t] = scale * q_g . k_t for the group's heads, 16 keys at a time: each key's products with
-// a query head summed lane-wise, then the 16 keys' lanes summed together. float16 keys are widened once into
-// `widened` (in L1), not once per query head.
+// scores[g * len + t] = scale * q_g . k_t for the queries q_g = queries[g], g < num_queries, 16 keys at a time:
+// each key's products with a query summed lane-wise, then the 16 keys' lanes summed together. float16 keys are
+// widened once into `widened` (in L1), not once per query.
 template <int NV, typename T>
-AVX512_FN void score_keys(const PairArgs& a) {
+AVX512_FN void score_keys(const PairArgs& a, const float* const* queries, int64_t num_queries) {
   alignas(64) float widened[std::is_same_v<T, float> ? 1 : 16][16 * NV];
   for (int64_t t0 = 0; t0 < a.len; t0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, a.len - t0));
@@ -106,8 +106,8 @@ AVX512_FN void score_keys(const PairArgs& a) {
       }
     }
     const __mmask16 mask = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
-    for (int64_t g = 0; g < a.group; ++g) {
-      const float* q = a.queries + g * a.query_stride;
+    for (int64_t g = 0; g < num_queries; ++g) {
+      const float* q = queries[g];
       __m512 qv[NV];
       for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
       __m512 products[16];
@@ -150,7 +150,9 @@ AVX512_FN void weigh_values(const PairArgs& a, int64_t first) {
 // in registers (at most 16 of the 32), in chunks of up to kHeads.
 template <int NV, typename T>
 AVX512_FN void attend(const PairArgs& a) {
-  score_keys<NV, T>(a);
+  const float* queries[kMaxGroup];
+  for (int64_t g = 0; g < a.group; ++g) queries[g] = a.queries + g * a.query_stride;
+  score_keys<NV, T>(a, queries, a.group);
   for (int64_t g = 0; g < a.group; ++g) softmax_(a.scores + g * a.len, a.len);
   constexpr int kHeads = NV >= 16 ? 1 : std::min(4, 16 / NV);
   for (int64_t g = 0; g < a.group; g += kHeads) {
@@ -160,6 +162,89 @@ AVX512_FN void attend(const PairArgs& a) {
       case 2: if constexpr (kHeads >= 2) weigh_values<NV, 2, T>(a, g); break;
       default: weigh_values<NV, 1, T>(a, g);
     }
+  }
+}
+
+// out[q] += sum over t in [t0, t0 + 16) of p_q[t] v_t for the GN queries from `first` (acc rows, in memory
+// between blocks), the block's 16 value rows read from L1 for every query.
+template <int NV, int GN>
+AVX512_FN void weigh_value_block(const float* const values[16], int n, const float* p, int64_t len, int64_t first,
+                                 float* acc, int64_t head_dim) {
+  __m512 sums[GN][NV];
+  for (int g = 0; g < GN; ++g) {
+    for (int c = 0; c < NV; ++c) sums[g][c] = _mm512_loadu_ps(acc + (first + g) * head_dim + 16 * c);
+  }
+  for (int i = 0; i < n; ++i) {
+    __m512 v[NV];
+    for (int c = 0; c < NV; ++c) v[c] = _mm512_loadu_ps(values[i] + 16 * c);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 weight = _mm512_set1_ps(p[(first + g) * len + i]);
+      for (int c = 0; c < NV; ++c) sums[g][c] = _mm512_fmadd_ps(weight, v[c], sums[g][c]);
+    }
+  }
+  for (int g = 0; g < GN; ++g) {
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (first + g) * head_dim + 16 * c, sums[g][c]);
+  }
+}
+
+// A tile of consecutive rows of one sequence (TileArgs): the scores of every query over the last row's context,
+// each row's softmax over its own (the later positions' weights zero), then the values 16 rows at a time.
+template <int NV, typename T>
+AVX512_FN void attend_tile(const TileArgs& tile) {
+  const PairArgs& a = tile.pair;
+  const int64_t num_queries = tile.rows * a.group, len = a.len, head_dim = a.head_dim;
+  const float* queries[kMaxTileQueries];
+  for (int64_t r = 0; r < tile.rows; ++r) {
+    for (int64_t g = 0; g < a.group; ++g) {
+      queries[r * a.group + g] = a.queries + r * tile.row_query_stride + g * a.query_stride;
+    }
+  }
+  score_keys<NV, T>(a, queries, num_queries);
+  for (int64_t q = 0; q < num_queries; ++q) {
+    const int64_t row_len = len - (tile.rows - 1 - q / a.group);
+    softmax_(a.scores + q * len, row_len);
+    std::fill(a.scores + q * len + row_len, a.scores + (q + 1) * len, 0.f);
+  }
+  std::fill_n(tile.acc, num_queries * head_dim, 0.f);
+  alignas(64) float widened[std::is_same_v<T, float> ? 1 : 16][16 * NV];
+  constexpr int kHeads = NV >= 16 ? 1 : std::min(4, 16 / NV);
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, len - t0));
+    const float* values[16];
+    for (int i = 0; i < n; ++i) {
+      const T* row = static_cast<const T*>(a.values) + a.slot_of(t0 + i) * a.row_stride;
+      if constexpr (std::is_same_v<T, float>) {
+        values[i] = row;
+      } else {
+        for (int c = 0; c < NV; ++c) _mm512_store_ps(widened[i] + 16 * c, load16(row + 16 * c));
+        values[i] = widened[i];
+      }
+    }
+    const float* p = a.scores + t0;
+    for (int64_t q = 0; q < num_queries; q += kHeads) {
+      switch (std::min<int64_t>(kHeads, num_queries - q)) {
+        case 4: if constexpr (kHeads >= 4) weigh_value_block<NV, 4>(values, n, p, len, q, tile.acc, head_dim); break;
+        case 3: if constexpr (kHeads >= 3) weigh_value_block<NV, 3>(values, n, p, len, q, tile.acc, head_dim); break;
+        case 2: if constexpr (kHeads >= 2) weigh_value_block<NV, 2>(values, n, p, len, q, tile.acc, head_dim); break;
+        default: weigh_value_block<NV, 1>(values, n, p, len, q, tile.acc, head_dim);
+      }
+    }
+  }
+  for (int64_t r = 0; r < tile.rows; ++r) {
+    std::copy_n(tile.acc + r * a.group * head_dim, a.group * head_dim, a.out + r * tile.row_out_stride);
+  }
+}
+
+template <typename T>
+bool attend_tile_typed(const TileArgs& args) {
+  switch (args.pair.head_dim) {
+    case 16: attend_tile<1, T>(args); return true;
+    case 32: attend_tile<2, T>(args); return true;
+    case 64: attend_tile<4, T>(args); return true;
+    case 96: attend_tile<6, T>(args); return true;
+    case 128: attend_tile<8, T>(args); return true;
+    case 256: attend_tile<16, T>(args); return true;
+    default: return false;
   }
 }
 
@@ -179,7 +264,12 @@ bool attend_typed(const PairArgs& args) {
 }  // namespace
 
 bool attend_pair_avx512(const PairArgs& args) {
-  return args.is_half ? attend_typed<uint16_t>(args) : attend_typed<float>(args);
+  return args.group <= kMaxGroup && (args.is_half ? attend_typed<uint16_t>(args) : attend_typed<float>(args));
+}
+
+bool attend_tile_avx512(const TileArgs& args) {
+  return args.rows * args.pair.group <= kMaxTileQueries &&
+         (args.pair.is_half ? attend_tile_typed<uint16_t>(args) : attend_tile_typed<float>(args));
 }
 
 }  // namespace attention

@@ -11,12 +11,12 @@ has AMX, up to 48 tokens elsewhere); anything else runs the eager layers.
 A step with prompt tokens (a prompt, or a mixed step of decodes and a prompt's chunk) runs as one row a token:
 token t of a sequence is a query over the sequence's first t + 1 positions (its own block table, a context
 length of its position + 1), which the decode attention computes as causal attention does, after the call has
-written every row's key and value. Eagerly, 15 decodes and an 11-token prompt took ~51 ms against ~22 for 16
-decodes (2-core CPU, 2026-11-27), most of it the torch ops' dispatch and two thread pools between them. Though
-each query row reads its keys again, the C++ layers stay ahead of the eager ones (one SDPA a prompt) however
-long the step, where AMX runs the matmuls (2-core Xeon, 2026-11-27, alone in a step: a 128-token prompt 89
-against 115 ms, 512 tokens 374-386 against 490-505, 4,096 tokens 23-25 s against 28.5; 15 decodes beside a
-128- / 512-token chunk 116-119 / 420-426 ms against 157-158 / 541-566).
+written every row's key and value (with AVX-512, up to 16 consecutive rows of a sequence attend as one tile that
+reads each key and value once). Eagerly, 15 decodes and an 11-token prompt took ~51 ms against ~22 for 16
+decodes (2-core CPU, 2026-11-27), most of it the torch ops' dispatch and two thread pools between them. The C++
+layers stay ahead of the eager ones (one SDPA a prompt) however long the step, where AMX runs the matmuls
+(2-core Xeon, 2026-11-27, a prompt alone in its step: 128 tokens 89 against 115 ms, 512 tokens 331-346 against
+490-505, 2,048 tokens 2.0-2.1 s against 7.4-7.5, 4,096 tokens 7.4 s against 28.5).
 """
 
 from __future__ import annotations
