@@ -1,7 +1,9 @@
 // Paged decode attention for float32 on the CPU: each sequence's one new query attends its whole context.
 //
-// One call per layer writes the step's keys and values into the cache and attends every (sequence, kv
-// head) pair: the pair's G query heads share each key and value row as it is read. The cache holds float32
+// One call per layer writes the step's keys and values into the cache and attends every (row, kv head) pair:
+// the pair's G query heads share each key and value row as it is read. A row is one query token with its own
+// block table and context length (a prompt's token t: its first t + 1 positions); with AVX-512, up to kTileRows
+// consecutive rows of one sequence attend as a tile that reads each key and value once. The cache holds float32
 // or float16 (rounded to nearest even when written, as torch's cast, widened when read). Scores, softmax and
 // the weighted sum are float32 (the max subtracted before exp, as softmax does), so results equal the
 // torch path's up to summation order (and the AVX-512 path's exp, within 2 ulp of libm's).

@@ -3,9 +3,10 @@
 // One (sequence, kv head) pair at a time: its G query heads score 16 keys at a time (each key's products
 // summed lane-wise, then the 16 keys' sums in one transposing reduction rather than 16 horizontal ones), the
 // softmax runs 16 scores to a register with a vector exp, and the weighted sum reads each value row once for up
-// to four heads, whose output rows stay in registers over the whole context. The generic path compiles for the
-// baseline ISA (128-bit, scalar exp), which left batch-16 decode spending as long in attention as in the
-// projections.
+// to four heads, whose output rows stay in registers over the whole context. A tile of a prompt's consecutive
+// rows on one kv head (TileArgs, each row causal) scores its rows x G queries against each key block as read,
+// and weighs each 16-row block of values from L1 for all of them. The generic path compiles for the baseline
+// ISA (128-bit, scalar exp), which left batch-16 decode spending as long in attention as in the projections.
 
 #include "attention_pair.h"
 

@@ -219,7 +219,8 @@ T* aligned_64(std::vector<T>& v) {
 }
 
 // out[n, r] for weight rows [first, last) and every token. The panel's (chunk, group) items run in order,
-// each over its chunk's blocks and every token tile, accumulating in fp32 registers.
+// each over its chunk's blocks and every token tile, accumulating in fp32 registers. Rows past the weight's
+// in a partial group compute garbage (zero codes, stale scales) that the masked stores leave out.
 // NOTE: the order and the pipelining come from measurements (2026-11-27, Xeon with AMX, 16 tokens, per 16 x 32
 // block of weights): the tile products and the AVX-512 work (widening, scaling) add up rather than overlap.
 // B tiles read from L2 cost ~15 ns a block (a third of the total: hence chunks whose B tiles stay in L1); a
@@ -228,7 +229,7 @@ T* aligned_64(std::vector<T>& v) {
 AMX_FN void matmul_rows(int64_t qtype, const PackedActivations& packed, const uint8_t* qs, const uint16_t* scales,
                         const uint16_t* mins, int64_t num_blocks, float* out, int64_t out_stride, int64_t first,
                         int64_t last) {
-  const int64_t row_bytes = num_blocks * quant_bytes_per_block(qtype), qb = quant_bytes_per_block(qtype);
+  const int64_t qb = quant_bytes_per_block(qtype), row_bytes = num_blocks * qb;
   const int64_t num_tokens = packed.num_tokens, num_token_tiles = (num_tokens + kTile - 1) / kTile;
   const int64_t num_chunks = (num_blocks + kMaxChunkBlocks - 1) / kMaxChunkBlocks;
   const int64_t chunk_blocks = (num_blocks + num_chunks - 1) / num_chunks;
@@ -292,7 +293,9 @@ AMX_FN void matmul_rows(int64_t qtype, const PackedActivations& packed, const ui
               widen_block(qtype, next_qs + j * qb, row_bytes, item_rows(next_group), codes, a_next + j * kTileElems);
             }
             compiler_barrier();
-            if (j >= 2) scale_block(c[(j - 2) & 3], d + j - 2, m ? m + j - 2 : nullptr, st + (j - 2) * kTile, num_blocks, acc);
+            if (j >= 2) {
+              scale_block(c[(j - 2) & 3], d + j - 2, m ? m + j - 2 : nullptr, st + (j - 2) * kTile, num_blocks, acc);
+            }
           }
           for (int64_t j = std::max<int64_t>(0, num_chunk_blocks - 2); j < num_chunk_blocks; ++j) {
             scale_block(c[j & 3], d + j, m ? m + j : nullptr, st + j * kTile, num_blocks, acc);
@@ -312,7 +315,8 @@ AMX_FN void matmul_rows(int64_t qtype, const PackedActivations& packed, const ui
         const int64_t group_rows = item_rows(g);
         const __mmask16 mask = static_cast<__mmask16>(group_rows >= kTile ? 0xFFFF : (1u << group_rows) - 1);
         for (int64_t n = 0; n < std::min<int64_t>(kTile, num_tokens - t * kTile); ++n) {
-          _mm512_mask_storeu_ps(out + (t * kTile + n) * out_stride + p0 + g * kTile, mask, _mm512_castsi512_ps(rows[n]));
+          float* out_row = out + (t * kTile + n) * out_stride + p0 + g * kTile;
+          _mm512_mask_storeu_ps(out_row, mask, _mm512_castsi512_ps(rows[n]));
         }
       }
     }
