@@ -88,6 +88,22 @@ AVX512_FN inline __m512 sum_lanes16(__m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x44), _mm512_shuffle_ps(w[0], w[1], 0xEE));
 }
 
+// Positions [t0, t0 + n) of a cache (`cache`: a.keys or a.values) as float32 rows: the cache's own, or float16
+// widened once into `widened` (in L1).
+template <int NV, typename T>
+AVX512_FN inline void cache_rows(const PairArgs& a, const void* cache, int64_t t0, int n, float (*widened)[16 * NV],
+                                 const float* rows[16]) {
+  for (int i = 0; i < n; ++i) {
+    const T* row = static_cast<const T*>(cache) + a.slot_of(t0 + i) * a.row_stride;
+    if constexpr (std::is_same_v<T, float>) {
+      rows[i] = row;
+    } else {
+      for (int c = 0; c < NV; ++c) _mm512_store_ps(widened[i] + 16 * c, load16(row + 16 * c));
+      rows[i] = widened[i];
+    }
+  }
+}
+
 // scores[g * len + t] = scale * q_g . k_t for the queries q_g = queries[g], g < num_queries, 16 keys at a time:
 // each key's products with a query summed lane-wise, then the 16 keys' lanes summed together. float16 keys are
 // widened once into `widened` (in L1), not once per query.
@@ -97,15 +113,7 @@ AVX512_FN void score_keys(const PairArgs& a, const float* const* queries, int64_
   for (int64_t t0 = 0; t0 < a.len; t0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, a.len - t0));
     const float* keys[16];
-    for (int i = 0; i < n; ++i) {
-      const T* row = static_cast<const T*>(a.keys) + a.slot_of(t0 + i) * a.row_stride;
-      if constexpr (std::is_same_v<T, float>) {
-        keys[i] = row;
-      } else {
-        for (int c = 0; c < NV; ++c) _mm512_store_ps(widened[i] + 16 * c, load16(row + 16 * c));
-        keys[i] = widened[i];
-      }
-    }
+    cache_rows<NV, T>(a, a.keys, t0, n, widened, keys);
     const __mmask16 mask = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
     for (int64_t g = 0; g < num_queries; ++g) {
       const float* q = queries[g];
@@ -212,15 +220,7 @@ AVX512_FN void attend_tile(const TileArgs& tile) {
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - t0));
     const float* values[16];
-    for (int i = 0; i < n; ++i) {
-      const T* row = static_cast<const T*>(a.values) + a.slot_of(t0 + i) * a.row_stride;
-      if constexpr (std::is_same_v<T, float>) {
-        values[i] = row;
-      } else {
-        for (int c = 0; c < NV; ++c) _mm512_store_ps(widened[i] + 16 * c, load16(row + 16 * c));
-        values[i] = widened[i];
-      }
-    }
+    cache_rows<NV, T>(a, a.values, t0, n, widened, values);
     const float* p = a.scores + t0;
     for (int64_t q = 0; q < num_queries; q += kHeads) {
       switch (std::min<int64_t>(kHeads, num_queries - q)) {
