@@ -30,17 +30,22 @@ the K loop and scale the sums at the end) and `residual` (added to the output be
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels._common import cast, is_interpreter, next_pow2, pdl_args, pdl_enter
+from kernels.quant_gemv_tc import quant_gemv_tc, takes_tensor_cores
 from kernels.quant_layout import UNIT_SCALE, IntPackedWeight, kernel_args, tile_for, tile_parts
 
 MAX_QUANT_GEMV_ROWS = 16  # the most rows the kernel takes (the fused decoder options need it)
 # NOTE: past this many rows the tensor-core GEMM is faster even at decode sizes, so past it
 # `quant_matmul` sends the GEMV only fused calls (measured by `bench/gpu_quant.py --only crossover`).
 QUANT_GEMV_FASTER_ROWS = 2
+# NOTE: read once at import (the A/B switch of bench/gpu_quant.py), like KERNELS_PDL's launches are fixed per run.
+TENSOR_CORES = os.environ.get("KERNELS_QUANT_GEMV_TC", "1") != "0"
 
 
 @triton.jit
@@ -144,7 +149,10 @@ def quant_gemv(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = 
                out: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """x [M, K] ([M, 2K] when gated; M <= MAX_QUANT_GEMV_ROWS) @ dequant(w).T + bias (+ residual) -> [M, N]
-    in x's dtype, fp32 accumulation. Arguments are checked by `quant_matmul`, the entry point."""
+    in x's dtype, fp32 accumulation. Arguments are checked by `quant_matmul`, the entry point. 4-bit codes
+    that `quant_gemv_tc` takes go to the tensor cores unless a tile is given (`KERNELS_QUANT_GEMV_TC=0`: never)."""
+    if block_n is None and block_k is None and num_warps is None and TENSOR_CORES and takes_tensor_cores(w, x):
+        return quant_gemv_tc(x, w, bias, gated=gated, norm_weight=norm_weight, eps=eps, residual=residual, out=out)
     num_rows = x.shape[0]
     n, k = w.shape
     if out is None:

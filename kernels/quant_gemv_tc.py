@@ -1,0 +1,254 @@
+"""The decode GEMV for 4-bit codes on the tensor cores: y = x @ dequant(w).T with 1..16 rows of x.
+
+The CUDA-core GEMV (`quant_gemv`) spends ~6 instructions a weight (nibble extraction, conversion, one
+multiply-add, the per-group reductions), so on a Hopper it issues instructions at its limit while memory
+delivers half of what it could. Here the multiply-adds go to the tensor cores, which are idle at decode
+sizes, and a weight costs ~1.25 integer instructions:
+
+- the kernel computes y^T = w @ x^T, the weight as the MMA's A operand (taken from registers: it is
+  widened there) and x^T, padded to 16 columns, as B;
+- two bytes (four codes) become two bf16x2 (fp16x2) registers in four instructions: the bytes spread
+  into the low bytes of both halves of a word (`prmt`), each nibble OR-ed into the mantissa of MAGIC
+  (`lop3`; 128 in bf16, 1024 in fp16, whose unit in the last place is 1), so a register holds
+  MAGIC + q exactly, no conversion instruction;
+- the zero never touches a weight: a constant zero's term is (MAGIC + zero) * sum(x), which a second
+  MMA with a constant A tile computes into the same accumulator (free: the tensor cores have room);
+  per-group zeros are subtracted in packed half-precision (MAGIC + q - (MAGIC + z) is q - z exactly);
+- products of 16-bit values are exact in the fp32 accumulator; each group's sum is scaled once
+  (the K tile never spans two groups). So results equal dequantize-then-matmul up to fp32 summation
+  order (a constant zero's term cancels MAGIC + zero times sum(x): ~1e-6 relative on random weights).
+
+Narrow layers split K over several programs (`SPLIT_K`): each writes its fp32 partial to a workspace,
+and the program that finishes a column tile last (a counter, acquire-release) sums the partials in a
+fixed order, deterministically, and applies the epilogue. The workspace and counters are left zeroed.
+
+The fused decoder's options are those of `kernels.gemv` (`gated`, `norm_weight`, `residual`); the
+input then passes through the same fp32 prologue and is rounded to x's dtype once, as the unfused layers
+round it (on all 16 padded rows: a narrower layout would cost the loads their pipelining).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import _INTERPRETED, cast, is_interpreter, mma, num_sms, pdl_args, pdl_enter
+from kernels.quant_layout import IntPackedWeight, _magic_plus
+
+PAD_ROWS = tl.constexpr(16)  # x^T padded to the MMA's smallest N
+
+
+@triton.jit
+def _magic_codes(byte, ACT: tl.constexpr):
+    """uint8 [BN, BK/2] -> (MAGIC + low nibble, MAGIC + high nibble), each ACT [BN, BK/2]."""
+    if _INTERPRETED:
+        code = byte.to(tl.int16)
+        return _magic_plus(code & 15, ACT), _magic_plus(code >> 4, ACT)
+    elif ACT == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t;
+            prmt.b32 t, $2, 0, 0x4140;
+            lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA;
+            shr.u32 t, t, 4;
+            lop3.b32 $1, t, 0x000F000F, 0x43004300, 0xEA;
+            }""",
+            constraints="=r,=r,r", args=[byte], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t;
+            prmt.b32 t, $2, 0, 0x4140;
+            lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA;
+            shr.u32 t, t, 4;
+            lop3.b32 $1, t, 0x000F000F, 0x64006400, 0xEA;
+            }""",
+            constraints="=r,=r,r", args=[byte], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+
+
+@triton.jit
+def _minus(a, b):
+    """a - b in a's dtype (exact here: integers below 256)."""
+    if _INTERPRETED:  # NOTE: the interpreter has no bf16 arithmetic
+        return (a.to(tl.float32) - b.to(tl.float32)).to(a.dtype)
+    else:
+        return a - b
+
+
+@triton.jit
+def _x_planes(x_ptr, nw_ptr, perm_ptr, cols, offs_m, M, K, stride_xm, squares,
+              GATED: tl.constexpr, NORM: tl.constexpr, HAS_PERM: tl.constexpr, ACT: tl.constexpr):
+    """x^T at columns `cols` [BK/2] through the fused prologue: (ACT [BK/2, 16], squares + this tile's sum of
+    x^2 per row [16])."""
+    if HAS_PERM:
+        cols = tl.load(perm_ptr + cols)
+    at = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + cols[:, None]
+    mask = offs_m[None, :] < M
+    xt = tl.load(at, mask=mask, other=0.0).to(tl.float32)  # [BK/2, 16]
+    if GATED:
+        up = tl.load(at + K, mask=mask, other=0.0).to(tl.float32)
+        xt = xt * tl.sigmoid(xt) * up
+    if NORM:
+        squares += tl.sum(xt * xt, axis=0)
+        xt = xt * tl.load(nw_ptr + cols).to(tl.float32)[:, None]
+    return cast(xt, ACT), squares
+
+
+@triton.jit
+def _quant_gemv_tc_kernel(
+    x_ptr,  # [M, K] activations ([M, 2K] when GATED)
+    perm_ptr,  # [K] int32 packed column -> x column, or any pointer when not HAS_PERM
+    b_ptr,  # [N] bias, or any pointer when not HAS_BIAS
+    nw_ptr,  # [K] RMSNorm weight, or any pointer when not NORM
+    r_ptr,  # [M, N] residual, or any pointer when not RESIDUAL
+    y_ptr,  # [M, N]
+    ws_ptr,  # [SPLIT_K, 16, N] fp32 partials (zero), or any pointer when SPLIT_K == 1
+    count_ptr,  # [cdiv(N, BLOCK_N)] int32 arrivals (zero), or any pointer when SPLIT_K == 1
+    qs_ptr, s_ptr, z_ptr, stride_qs, stride_s,  # the packed weight (4-bit codes, no offsets)
+    M, N, K, eps, stride_xm, stride_rm, stride_ym,
+    GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    ACT: tl.constexpr = x_ptr.dtype.element_ty
+    MAGIC: tl.constexpr = 128.0 if ACT == tl.bfloat16 else 1024.0
+    pdl_enter(USE_PDL)
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N read row N - 1 and are never stored
+    offs_m = tl.arange(0, PAD_ROWS)
+    b = tl.arange(0, BLOCK_K // 2)
+    plane_cols = (b // 16) * 32 + b % 16  # plane lo's columns of a tile; plane hi's are 16 further
+    acc = tl.zeros((BLOCK_N, PAD_ROWS), dtype=tl.float32)
+    squares = tl.zeros((PAD_ROWS,), dtype=tl.float32)
+    k_split = tl.cdiv(K // BLOCK_K, SPLIT_K) * BLOCK_K  # K is a multiple of BLOCK_K
+    k_begin = tl.multiple_of(tl.program_id(1) * k_split, BLOCK_K)
+    for k0 in range(k_begin, tl.minimum(k_begin + k_split, K), BLOCK_K):
+        byte = tl.load(qs_ptr + rows[:, None] * stride_qs + (k0 // 2 + b)[None, :])  # [BN, BK/2] uint8
+        x_lo, squares = _x_planes(x_ptr, nw_ptr, perm_ptr, k0 + plane_cols, offs_m, M, K, stride_xm, squares,
+                                  GATED, NORM, HAS_PERM, ACT)
+        x_hi, squares = _x_planes(x_ptr, nw_ptr, perm_ptr, k0 + 16 + plane_cols, offs_m, M, K, stride_xm, squares,
+                                  GATED, NORM, HAS_PERM, ACT)
+        w_lo, w_hi = _magic_codes(byte, ACT)
+        group = k0 // GROUP
+        if HAS_ZEROS:
+            zero = _magic_plus(tl.load(z_ptr + rows * stride_s + group).to(tl.int16), ACT)[:, None]
+        else:
+            zero = tl.full((BLOCK_N, 1), MAGIC + ZERO, ACT)
+        part = mma(_minus(w_lo, zero), x_lo, tl.zeros((BLOCK_N, PAD_ROWS), dtype=tl.float32), "tf32", _INTERPRETED)
+        part = mma(_minus(w_hi, zero), x_hi, part, "tf32", _INTERPRETED)
+        scale = tl.load(s_ptr + rows * stride_s + group).to(tl.float32)
+        acc += part * scale[:, None]
+    ws_at = offs_m[None, :] * N + offs_n[:, None]  # [BN, 16] in one split's [16, N] slab
+    if SPLIT_K > 1:
+        tl.store(ws_ptr + tl.program_id(1) * PAD_ROWS * N + ws_at, acc, mask=n_mask[:, None])
+        tl.debug_barrier()  # every thread's partial before the arrival that publishes them
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last program of this column tile: sum and finish
+            tl.debug_barrier()
+            acc = tl.zeros((BLOCK_N, PAD_ROWS), dtype=tl.float32)
+            for split in range(SPLIT_K):
+                at = ws_ptr + split * PAD_ROWS * N + ws_at
+                acc += tl.load(at, mask=n_mask[:, None], other=0.0, cache_modifier=".cg")
+                tl.store(at, tl.zeros_like(acc), mask=n_mask[:, None])
+            tl.store(count_ptr + pid_n, 0)
+            if NORM:  # every program saw only its K range of x: the norm's sums again, whole
+                squares = _row_squares(x_ptr, offs_m, M, K, stride_xm)
+            _finish(acc, squares, b_ptr, r_ptr, y_ptr, offs_n, n_mask, offs_m, M, K, eps, stride_rm, stride_ym,
+                    HAS_BIAS, NORM, RESIDUAL)
+    else:
+        _finish(acc, squares, b_ptr, r_ptr, y_ptr, offs_n, n_mask, offs_m, M, K, eps, stride_rm, stride_ym,
+                HAS_BIAS, NORM, RESIDUAL)
+
+
+@triton.jit
+def _row_squares(x_ptr, offs_m, M, K, stride_xm):
+    """Sum of x^2 over each row's K columns [16] (the RMSNorm's), in chunks of 1024."""
+    squares = tl.zeros((PAD_ROWS,), dtype=tl.float32)
+    cols = tl.arange(0, 1024)
+    for k0 in range(0, K, 1024):
+        x = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + cols)[:, None],
+                    mask=(offs_m[None, :] < M) & (k0 + cols < K)[:, None], other=0.0).to(tl.float32)
+        squares += tl.sum(x * x, axis=0)
+    return squares
+
+
+@triton.jit
+def _finish(acc, squares, b_ptr, r_ptr, y_ptr, offs_n, n_mask, offs_m, M, K, eps, stride_rm, stride_ym,
+            HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+    """y^T tile [BN, 16] = acc (/ rms) (+ bias) (+ residual), rounded to y's dtype, rows < M stored."""
+    if NORM:
+        acc = acc / tl.sqrt(squares / K + eps)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    mask = n_mask[:, None] & (offs_m[None, :] < M)
+    rows = offs_m[None, :].to(tl.int64)
+    if RESIDUAL:
+        acc += tl.load(r_ptr + rows * stride_rm + offs_n[:, None], mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows * stride_ym + offs_n[:, None], cast(acc, y_ptr.dtype.element_ty), mask=mask)
+
+
+def takes_tensor_cores(w: IntPackedWeight, x: torch.Tensor) -> bool:
+    """Whether `quant_gemv_tc` takes this weight and input: 4-bit codes without offsets, groups of at
+    least 64 columns (a K tile never spans two), fp16 / bf16 activations on a GPU with bf16 MMA (or the
+    interpreter)."""
+    n, k = w.shape
+    return (w.bits == 4 and w.offsets is None and x.dtype in (torch.float16, torch.bfloat16)
+            and w.group_size >= 64 and k % 64 == 0 and (w.group_size == k or w.group_size % 64 == 0)
+            and (is_interpreter() or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 8)))
+
+
+def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device) -> dict:
+    """Tiles: 64 output columns a program (a warpgroup's MMA), a 128-wide K tile (within one group), and K
+    split so the grid fills the GPU about twice."""
+    block_n, block_k = 64, min(128, group & -group, k & -k)
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while tiles * split < 2 * num_sms(device) and k // (split * 2) >= 4 * block_k:
+        split *= 2
+    return {"block_n": block_n, "block_k": block_k, "split_k": split, "num_warps": 4, "num_stages": 4}
+
+
+_WORKSPACES: dict = {}
+
+
+def _workspace(device: torch.device, num_floats: int, num_counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A zeroed fp32 workspace and int32 counters for split-K, kept zero by the kernel (one per device;
+    launches on one stream never overlap: each waits for the previous kernel before it touches them)."""
+    ws, counts = _WORKSPACES.get(device, (None, None))
+    if ws is None or ws.numel() < num_floats or counts.numel() < num_counters:
+        # NOTE: sized for every layer of a large model at once (16 MB): a CUDA graph capture must not
+        # be the call that grows it
+        ws = torch.zeros(max(num_floats, 1 << 22), dtype=torch.float32, device=device)
+        counts = torch.zeros(max(num_counters, 1 << 14), dtype=torch.int32, device=device)
+        _WORKSPACES[device] = (ws, counts)
+    return ws, counts
+
+
+def quant_gemv_tc(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = None, *, gated: bool = False,
+                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None, block_n: int | None = None, split_k: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """x [M, K] ([M, 2K] when gated; M <= 16) @ dequant(w).T + bias (+ residual) -> [M, N] in x's dtype, for
+    a weight `takes_tensor_cores` accepts. Arguments are checked by `quant_matmul`, the entry point."""
+    num_rows = x.shape[0]
+    n, k = w.shape
+    if out is None:
+        out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    tiles = quant_gemv_tc_config(n, k, w.group_size, x.device)
+    block_n, block_k = block_n or tiles["block_n"], tiles["block_k"]
+    split = split_k or tiles["split_k"]
+    ws, counts = _workspace(x.device, split * PAD_ROWS * n, triton.cdiv(n, block_n)) if split > 1 else (x, x)
+    opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"],
+                                        "num_stages": num_stages or tiles["num_stages"]}
+    _quant_gemv_tc_kernel[(triton.cdiv(n, block_n), split)](
+        x, w.perm if w.perm is not None else x, bias if bias is not None else x,
+        norm_weight if norm_weight is not None else x, residual if residual is not None else x, out, ws, counts,
+        w.qs, w.scales, w.zeros if w.zeros is not None else w.scales, w.qs.stride(0), w.scales.stride(0),
+        num_rows, n, k, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        GROUP=w.group_size, ZERO=float(w.zero), HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None,
+        HAS_BIAS=bias is not None, GATED=gated, NORM=norm_weight is not None, RESIDUAL=residual is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, **opts, **pdl_args(x.device))
+    return out

@@ -1,0 +1,83 @@
+"""The tensor-core decode GEMV for 4-bit codes (`kernels.quant_gemv_tc`) against dequantize-then-matmul in
+float64: constant and per-group zeros, per-channel scales, act-order, split K, the fused decoder's options."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.quant_gemv_tc import _WORKSPACES, quant_gemv_tc, takes_tensor_cores
+from kernels.quant_layout import quant_matmul_ref
+from tests.kernels.kernel_testlib import DEVICE, ON_GPU, TOL, poisoned, rel_err
+from tests.kernels.test_kernel_quant_gemm import random_packed
+
+# name: (bits, group_size or None = per channel, per-group zeros, offsets, act-order permutation)
+VARIANTS = {
+    "gptq_g128_sym": (4, 128, False, False, False),
+    "gptq_g128_actorder": (4, 128, True, False, True),
+    "awq_g128": (4, 128, True, False, False),
+    "int4_per_channel": (4, None, False, False, False),
+}
+SHAPES = [(4096, 4096), (1000, 14336)] if ON_GPU else [(72, 512), (40, 384)]
+# the output's rounding alone: half an ulp of bf16 / fp16, relative, with room for fp32 summation order
+OUT_TOL = {torch.bfloat16: 3e-3, torch.float16: 5e-4}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("num_rows,split_k", [(1, 1), (1, 2), (5, 4), (16, 1)])
+def test_matches_dequantized_reference(variant, dtype, num_rows, split_k):
+    """Exact products, fp32 sums: the error is the output's rounding (a wrong group, nibble or zero is ~1)."""
+    gen = torch.Generator().manual_seed(num_rows * 7 + split_k + len(variant))
+    for n, k in SHAPES:
+        w = random_packed(n, k, *VARIANTS[variant], gen)
+        x = torch.randn(num_rows, k, generator=gen).to(dtype=dtype, device=DEVICE)
+        assert takes_tensor_cores(w, x)
+        bias = torch.randn(n, generator=gen).to(dtype=dtype, device=DEVICE) if num_rows == 5 else None
+        out = poisoned((num_rows, n), dtype)
+        quant_gemv_tc(x, w, bias, out=out, split_k=split_k)
+        assert rel_err(out, quant_matmul_ref(x, w, bias)) < OUT_TOL[dtype], (variant, n, k)
+
+
+@pytest.mark.parametrize("variant", ["gated_residual", "norm", "bias_norm_residual"])
+@pytest.mark.parametrize("num_rows,split_k", [(1, 1), (1, 4), (16, 2)])
+def test_fused_decoder_options(variant, num_rows, split_k):
+    """down (gated, residual), qkv / gate_up (norm, bias), o (residual); the norm's sums cover all of K when
+    K is split."""
+    gated, has_bias, has_norm, has_res = ("gated" in variant, "bias" in variant, "norm" in variant, "residual" in variant)
+    gen = torch.Generator().manual_seed(num_rows + 3 * len(variant) + split_k)
+    for n, k in SHAPES:
+        w = random_packed(n, k, *VARIANTS["gptq_g128_actorder" if has_norm else "gptq_g128_sym"], gen)
+        x = (3 * torch.randn(num_rows, (2 if gated else 1) * k, generator=gen)).to(torch.bfloat16).to(DEVICE)
+        bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEVICE) if has_bias else None
+        norm_w = (1 + 0.3 * torch.randn(k, generator=gen)).to(torch.bfloat16).to(DEVICE) if has_norm else None
+        res = torch.randn(num_rows, n, generator=gen).to(torch.bfloat16).to(DEVICE) if has_res else None
+        out = poisoned((num_rows, n), torch.bfloat16)
+        quant_gemv_tc(x, w, bias, gated=gated, norm_weight=norm_w, eps=1e-5, residual=res, out=out, split_k=split_k)
+        ref = quant_matmul_ref(x, w, bias, gated, norm_w, 1e-5, res)
+        assert rel_err(out, ref) < TOL[torch.bfloat16], (variant, n, k)
+
+
+def test_split_k_leaves_its_workspace_zeroed_and_repeats_exactly():
+    """The last program of each column tile sums the partials in a fixed order and zeroes them: a second
+    call (another shape) starts clean and the same call gives the same bits."""
+    gen = torch.Generator().manual_seed(4)
+    w = random_packed(72, 512, *VARIANTS["awq_g128"], gen)
+    x = torch.randn(3, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    first = quant_gemv_tc(x, w, split_k=4)
+    ws, counts = _WORKSPACES[x.device]
+    assert not ws.any() and not counts.any()
+    other = random_packed(40, 384, *VARIANTS["gptq_g128_sym"], gen)
+    quant_gemv_tc(x[:, :384], other, split_k=2)
+    assert torch.equal(quant_gemv_tc(x, w, split_k=4), first)
+    assert rel_err(first, quant_matmul_ref(x, w)) < OUT_TOL[torch.bfloat16]
+
+
+def test_takes_only_what_it_computes_exactly():
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(1, 256, generator=gen).to(torch.bfloat16).to(DEVICE)
+    assert takes_tensor_cores(random_packed(8, 256, 4, 128, False, False, False, gen), x)
+    assert not takes_tensor_cores(random_packed(8, 256, 4, 128, False, False, False, gen), x.float())
+    assert not takes_tensor_cores(random_packed(8, 256, 4, 32, False, False, False, gen), x)  # groups of 32
+    assert not takes_tensor_cores(random_packed(8, 256, 4, 128, False, True, False, gen), x)  # offsets
+    assert not takes_tensor_cores(random_packed(8, 256, 8, 128, False, False, False, gen), x)  # 8-bit codes
