@@ -49,6 +49,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep-formats", default="int4_gptq_g128,int4_gptq_g128+fused,q4_k,q8_0",
                    help="formats the sweep runs (int and fp8 layouts); FMT+fused: with the fused decoder's options")
     p.add_argument("--sweep-block-k", default="128,256,512,1024", help="K tiles the sweep tries")
+    p.add_argument("--formats", default="", help="formats the pass sections run (comma-separated; default all)")
     p.add_argument("--served-methods", default="bf16,int4,int8,fp8", help="weights the served section decodes with")
     p.add_argument("--smoke", action="store_true", help="CPU dry run: Triton interpreter, a tiny model")
     return p.parse_args()
@@ -198,7 +199,7 @@ def free_memory() -> None:
 def section_pass(shapes: dict, results: dict, key: str, num_rows: int) -> None:
     copy_gbs = results["ceilings"]["copy_gbs"]
     rows = []
-    for fmt in FORMATS:
+    for fmt in [f for f in FORMATS if not ARGS.formats or f in ARGS.formats.split(",")]:
         try:
             rows.append(weight_pass(fmt, shapes, num_rows, results, copy_gbs))
         except Exception as exc:  # noqa: BLE001 - one format failing must not hide the others

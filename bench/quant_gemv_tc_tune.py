@@ -1,11 +1,12 @@
 """Tiles of the tensor-core decode GEMV (`kernels.quant_gemv_tc`) against the CUDA-core one (`quant_gemv`).
 
 Llama-3-8B's four projections in int4 (GPTQ layout, group 128; `--awq`: a zeros plane), each called as
-the fused decoder calls it (qkv / gate_up: RMSNorm prologue, o: residual, down: SiLU gate + residual) at
-1 and 16 rows (tile variants at 1 row); weights rotated over > 256 MB so every call reads memory, CUDA-graph replays, GB/s of
+the fused decoder calls it (qkv / gate_up: RMSNorm prologue, o: residual, down: SiLU gate + residual),
+plain (`plain_tc`) and, past 2 rows, through the tensor-core GEMM (`plain_gemm`), at each of --rows (tile
+variants at 1 row); weights rotated over > 256 MB so every call reads memory, CUDA-graph replays, GB/s of
 packed weight read. Prints one JSON line a case and writes them to --out.
 
-Usage: python bench/quant_gemv_tc_tune.py --out FILE [--rows 1,16] [--quick]     (GPU, ~2 minutes)
+Usage: python bench/quant_gemv_tc_tune.py --out FILE [--rows 1,2,4,8,16] [--quick]     (GPU, ~2 minutes)
 """
 
 # isort: split
@@ -22,6 +23,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from kernels.quant_gemm import quant_gemm  # noqa: E402
 from kernels.quant_gemv import quant_gemv  # noqa: E402
 from kernels.quant_gemv_tc import quant_gemv_tc, quant_gemv_tc_config  # noqa: E402
 from kernels.quant_layout import IntPackedWeight  # noqa: E402
@@ -78,14 +80,18 @@ def main() -> None:
                 kwargs["residual"] = torch.randn(num_rows, n, device="cuda", dtype=torch.bfloat16)
             num_bytes = sum(w.nbytes for w in ws)
             default = quant_gemv_tc_config(n, k, 128, x.device)
+            plain = x[:, :k] if "gated" in options else x
             cases = [("cuda_cores", lambda w, **t: quant_gemv(x, w, block_n=None, block_k=1024, **kwargs), {}),
-                     ("tc_default", lambda w, **t: quant_gemv_tc(x, w, **kwargs, **t), {})]
+                     ("tc_default", lambda w, **t: quant_gemv_tc(x, w, **kwargs, **t), {}),
+                     ("plain_tc", lambda w, **t: quant_gemv_tc(plain, w), {})]
+            if num_rows > 2:
+                cases.append(("plain_gemm", lambda w, **t: quant_gemm(plain, w), {}))
             if not args.quick and num_rows == 1:
-                for block_n in (64, 128):
-                    for split in sorted({1, 2, 4, 8, default["split_k"]}):
-                        for stages in (3, 5):
-                            tile = {"block_n": block_n, "split_k": split, "num_stages": stages}
-                            cases.append((f"tc_{block_n}_{split}_{stages}", None, tile))
+                for block_n, warps in ((64, 4), (128, 4), (128, 8)):
+                    for split in sorted({1, 2, 4, default["split_k"]}):
+                        for stages in (2, 3):
+                            tile = {"block_n": block_n, "split_k": split, "num_stages": stages, "num_warps": warps}
+                            cases.append((f"tc_{block_n}_{warps}w_{split}_{stages}", None, tile))
             for label, fn, tile in cases:
                 call = fn or (lambda w, **t: quant_gemv_tc(x, w, **kwargs, **t))
                 try:

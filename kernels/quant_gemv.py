@@ -46,6 +46,10 @@ MAX_QUANT_GEMV_ROWS = 16  # the most rows the kernel takes (the fused decoder op
 QUANT_GEMV_FASTER_ROWS = 2
 # NOTE: read once at import (the A/B switch of bench/gpu_quant.py), like KERNELS_PDL's launches are fixed per run.
 TENSOR_CORES = os.environ.get("KERNELS_QUANT_GEMV_TC", "1") != "0"
+# From this many rows `quant_gemv_tc` is faster (an H200, bench/quant_gemv_tc_tune.py, 2026-11-27: the fused
+# projections at 2 rows 161 -> 107 us a layer, at 16 rows 1,031 -> 112); at one row the CUDA-core kernel's
+# fused prologues win (87 against 98 us: the tensor-core kernel runs its prologue on 16 padded rows).
+TENSOR_CORE_ROWS = 2
 
 
 @triton.jit
@@ -149,9 +153,11 @@ def quant_gemv(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = 
                out: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """x [M, K] ([M, 2K] when gated; M <= MAX_QUANT_GEMV_ROWS) @ dequant(w).T + bias (+ residual) -> [M, N]
-    in x's dtype, fp32 accumulation. Arguments are checked by `quant_matmul`, the entry point. 4-bit codes
-    that `quant_gemv_tc` takes go to the tensor cores unless a tile is given (`KERNELS_QUANT_GEMV_TC=0`: never)."""
-    if block_n is None and block_k is None and num_warps is None and TENSOR_CORES and takes_tensor_cores(w, x):
+    in x's dtype, fp32 accumulation. Arguments are checked by `quant_matmul`, the entry point. From
+    TENSOR_CORE_ROWS rows, 4-bit codes that `quant_gemv_tc` takes go to the tensor cores unless a tile is given
+    (`KERNELS_QUANT_GEMV_TC=0`: never)."""
+    if (x.shape[0] >= TENSOR_CORE_ROWS and block_n is None and block_k is None and num_warps is None and TENSOR_CORES
+            and takes_tensor_cores(w, x)):
         return quant_gemv_tc(x, w, bias, gated=gated, norm_weight=norm_weight, eps=eps, residual=residual, out=out)
     num_rows = x.shape[0]
     n, k = w.shape

@@ -144,15 +144,23 @@ def _quant_gemv_tc_kernel(
     ws_at = offs_m[None, :] * N + offs_n[:, None]  # [BN, 16] in one split's [16, N] slab
     if SPLIT_K > 1:
         tl.store(ws_ptr + tl.program_id(1) * PAD_ROWS * N + ws_at, acc, mask=n_mask[:, None])
-        tl.debug_barrier()  # every thread's partial before the arrival that publishes them
+        # NOTE: one thread's release does not publish the other threads' stores (seen on an H200: the rows
+        # other lanes held went missing): each thread fences its own before the arrival
+        _fence_gpu(pid_n)
+        tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:  # the last program of this column tile: sum and finish
             tl.debug_barrier()
+            _fence_gpu(pid_n)
             acc = tl.zeros((BLOCK_N, PAD_ROWS), dtype=tl.float32)
             for split in range(SPLIT_K):
-                at = ws_ptr + split * PAD_ROWS * N + ws_at
-                acc += tl.load(at, mask=n_mask[:, None], other=0.0, cache_modifier=".cg")
-                tl.store(at, tl.zeros_like(acc), mask=n_mask[:, None])
+                acc += tl.load(ws_ptr + split * PAD_ROWS * N + ws_at, mask=n_mask[:, None], other=0.0,
+                               cache_modifier=".cg")
+            # NOTE: the zeros are stored by other threads than the ones that loaded (the layouts differ):
+            # every load before any of them
+            tl.debug_barrier()
+            for split in range(SPLIT_K):
+                tl.store(ws_ptr + split * PAD_ROWS * N + ws_at, tl.zeros_like(acc), mask=n_mask[:, None])
             tl.store(count_ptr + pid_n, 0)
             if NORM:  # every program saw only its K range of x: the norm's sums again, whole
                 squares = _row_squares(x_ptr, offs_m, M, K, stride_xm)
@@ -161,6 +169,14 @@ def _quant_gemv_tc_kernel(
     else:
         _finish(acc, squares, b_ptr, r_ptr, y_ptr, offs_n, n_mask, offs_m, M, K, eps, stride_rm, stride_ym,
                 HAS_BIAS, NORM, RESIDUAL)
+
+
+@triton.jit
+def _fence_gpu(token):
+    """This thread's memory operations ordered at GPU scope (`__threadfence`); `token`: any scalar."""
+    if not _INTERPRETED:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu;\nmov.u32 $0, $1;", "=r,r", [token], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -201,14 +217,15 @@ def takes_tensor_cores(w: IntPackedWeight, x: torch.Tensor) -> bool:
 
 
 def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device) -> dict:
-    """Tiles: 64 output columns a program (a warpgroup's MMA), a 128-wide K tile (within one group), and K
-    split so the grid fills the GPU about twice."""
-    block_n, block_k = 64, min(128, group & -group, k & -k)
+    """Tiles an H100 measured best at one row (bench/quant_gemv_tc_tune.py, 2026-11-27): 64 output columns a
+    program (a warpgroup's MMA), 128 for the wide and the long weights, a 128-wide K tile (within one group),
+    3 stages, and K split until the grid holds 1.5 programs an SM."""
+    block_n, block_k = (128 if n >= 16384 or k >= 8192 else 64), min(128, group & -group, k & -k)
     tiles = triton.cdiv(n, block_n)
     split = 1
-    while tiles * split < 2 * num_sms(device) and k // (split * 2) >= 4 * block_k:
+    while tiles * split < 1.5 * num_sms(device) and k // (split * 2) >= 4 * block_k:
         split *= 2
-    return {"block_n": block_n, "block_k": block_k, "split_k": split, "num_warps": 4, "num_stages": 4}
+    return {"block_n": block_n, "block_k": block_k, "split_k": split, "num_warps": 4, "num_stages": 3}
 
 
 _WORKSPACES: dict = {}

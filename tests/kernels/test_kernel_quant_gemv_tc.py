@@ -44,7 +44,7 @@ def test_matches_dequantized_reference(variant, dtype, num_rows, split_k):
 def test_fused_decoder_options(variant, num_rows, split_k):
     """down (gated, residual), qkv / gate_up (norm, bias), o (residual); the norm's sums cover all of K when
     K is split."""
-    gated, has_bias, has_norm, has_res = ("gated" in variant, "bias" in variant, "norm" in variant, "residual" in variant)
+    gated, has_bias, has_norm, has_res = (word in variant for word in ("gated", "bias", "norm", "residual"))
     gen = torch.Generator().manual_seed(num_rows + 3 * len(variant) + split_k)
     for n, k in SHAPES:
         w = random_packed(n, k, *VARIANTS["gptq_g128_actorder" if has_norm else "gptq_g128_sym"], gen)
