@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import cast, is_interpreter, next_pow2, pdl_args, pdl_enter
+from kernels.activation import silu_and_mul
 from kernels.quant_gemv_tc import quant_gemv_tc, takes_tensor_cores
 from kernels.quant_layout import UNIT_SCALE, IntPackedWeight, kernel_args, tile_for, tile_parts
 
@@ -48,7 +49,9 @@ QUANT_GEMV_FASTER_ROWS = 2
 TENSOR_CORES = os.environ.get("KERNELS_QUANT_GEMV_TC", "1") != "0"
 # From this many rows `quant_gemv_tc` is faster (an H200, bench/quant_gemv_tc_tune.py, 2026-11-27: the fused
 # projections at 2 rows 161 -> 107 us a layer, at 16 rows 1,031 -> 112); at one row the CUDA-core kernel's
-# fused prologues win (87 against 98 us: the tensor-core kernel runs its prologue on 16 padded rows).
+# fused prologues win (87 against 98 us: the tensor-core kernel runs its prologue on 16 padded rows), except the
+# gated down projection's: its gate in a launch of its own and the product on the tensor cores took 21.0 us + the
+# launch against 28.6.
 TENSOR_CORE_ROWS = 2
 
 
@@ -156,9 +159,11 @@ def quant_gemv(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = 
     in x's dtype, fp32 accumulation. Arguments are checked by `quant_matmul`, the entry point. From
     TENSOR_CORE_ROWS rows, 4-bit codes that `quant_gemv_tc` takes go to the tensor cores unless a tile is given
     (`KERNELS_QUANT_GEMV_TC=0`: never)."""
-    if (x.shape[0] >= TENSOR_CORE_ROWS and block_n is None and block_k is None and num_warps is None and TENSOR_CORES
-            and takes_tensor_cores(w, x)):
-        return quant_gemv_tc(x, w, bias, gated=gated, norm_weight=norm_weight, eps=eps, residual=residual, out=out)
+    if block_n is None and block_k is None and num_warps is None and TENSOR_CORES and takes_tensor_cores(w, x):
+        if x.shape[0] >= TENSOR_CORE_ROWS:
+            return quant_gemv_tc(x, w, bias, gated=gated, norm_weight=norm_weight, eps=eps, residual=residual, out=out)
+        if gated:  # one row: the gate in its own launch, the product on the tensor cores (TENSOR_CORE_ROWS' note)
+            return quant_gemv_tc(silu_and_mul(x), w, bias, residual=residual, out=out)
     num_rows = x.shape[0]
     n, k = w.shape
     if out is None:

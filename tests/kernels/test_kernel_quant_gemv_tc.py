@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.quant_gemm import quant_matmul
 from kernels.quant_gemv_tc import _WORKSPACES, quant_gemv_tc, takes_tensor_cores
 from kernels.quant_layout import quant_matmul_ref
 from tests.kernels.kernel_testlib import DEVICE, ON_GPU, TOL, poisoned, rel_err
@@ -81,3 +82,20 @@ def test_takes_only_what_it_computes_exactly():
     assert not takes_tensor_cores(random_packed(8, 256, 4, 32, False, False, False, gen), x)  # groups of 32
     assert not takes_tensor_cores(random_packed(8, 256, 4, 128, False, True, False, gen), x)  # offsets
     assert not takes_tensor_cores(random_packed(8, 256, 8, 128, False, False, False, gen), x)  # 8-bit codes
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 8])
+def test_quant_matmul_routes_4bit_codes_through_it(num_rows):
+    """The entry point: one gated row (its gate in a launch of its own), 2 fused rows and 8 plain rows all end
+    on the tensor-core kernel and match the reference."""
+    gen = torch.Generator().manual_seed(8 + num_rows)
+    n, k = SHAPES[0]
+    w = random_packed(n, k, *VARIANTS["gptq_g128_sym"], gen)
+    x = torch.randn(num_rows, 2 * k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    res = torch.randn(num_rows, n, generator=gen).to(torch.bfloat16).to(DEVICE)
+    out = quant_matmul(x, w, gated=True, residual=res)
+    assert rel_err(out, quant_matmul_ref(x, w, gated=True, residual=res)) < TOL[torch.bfloat16]
+    plain = quant_matmul(x[:, :k], w)
+    if num_rows > 1:  # one plain row stays on the CUDA cores
+        assert torch.equal(plain, quant_gemv_tc(x[:, :k], w))
+    assert rel_err(plain, quant_matmul_ref(x[:, :k], w)) < OUT_TOL[torch.bfloat16]
