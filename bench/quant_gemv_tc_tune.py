@@ -66,6 +66,7 @@ def main() -> None:
     p.add_argument("--rows", default="1,16")
     p.add_argument("--awq", action="store_true")
     p.add_argument("--quick", action="store_true", help="defaults only, no tile variants")
+    p.add_argument("--plain", action="store_true", help="tile variants without the fused options")
     args = p.parse_args()
     rows_out = []
     for num_rows in [int(r) for r in args.rows.split(",")]:
@@ -79,7 +80,7 @@ def main() -> None:
             if "residual" in options:
                 kwargs["residual"] = torch.randn(num_rows, n, device="cuda", dtype=torch.bfloat16)
             num_bytes = sum(w.nbytes for w in ws)
-            default = quant_gemv_tc_config(n, k, 128, x.device)
+            default = quant_gemv_tc_config(n, k, 128, x.device, not args.plain and options != ("residual",))
             plain = x[:, :k] if "gated" in options else x
             cases = [("cuda_cores", lambda w, **t: quant_gemv(x, w, block_n=None, block_k=1024, **kwargs), {}),
                      ("tc_default", lambda w, **t: quant_gemv_tc(x, w, **kwargs, **t), {}),
@@ -88,14 +89,16 @@ def main() -> None:
                 cases.append(("plain_gemm", lambda w, **t: quant_gemm(plain, w), {}))
             if not args.quick and num_rows == 1:
                 split = default["split_k"]
-                for block_n, block_k, unroll in ((64, 128, 2), (128, 128, 2), (256, 64, 1), (256, 64, 2)):
+                variants = ((64, 128, 1), (128, 128, 1), (64, 128, 2), (128, 128, 2), (256, 64, 1))
+                for block_n, block_k, unroll in variants:
                     for split_k in sorted({max(1, split // 2), split, split * 2} if block_n < 256 else {1, 2, 4, 8}):
                         for stages in (2, 3):
                             tile = {"block_n": block_n, "block_k": block_k, "unroll": unroll, "split_k": split_k,
                                     "num_stages": stages}
                             cases.append((f"tc_{block_n}_{block_k}_u{unroll}_s{split_k}_{stages}", None, tile))
             for label, fn, tile in cases:
-                call = fn or (lambda w, **t: quant_gemv_tc(x, w, **kwargs, **t))
+                call = fn or ((lambda w, **t: quant_gemv_tc(plain, w, **t)) if args.plain
+                              else (lambda w, **t: quant_gemv_tc(x, w, **kwargs, **t)))
                 try:
                     seconds = time_graph(lambda call=call, tile=tile: [call(w, **tile) for w in ws])
                 except Exception as exc:  # noqa: BLE001 - a tile past the shared-memory budget

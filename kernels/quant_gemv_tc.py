@@ -230,11 +230,13 @@ def takes_tensor_cores(w: IntPackedWeight, x: torch.Tensor) -> bool:
             and (is_interpreter() or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 8)))
 
 
-def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device) -> dict:
-    """Tiles an H100 measured best at one row (bench/quant_gemv_tc_tune.py, 2026-11-27): 64 output columns a
-    program (a warpgroup's MMA), 128 for the wide and the long weights, a 128-wide K tile (within one group),
-    3 stages, and K split until the grid holds 1.5 programs an SM."""
-    block_n, block_k = (128 if n >= 16384 or k >= 8192 else 64), min(128, group & -group, k & -k)
+def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_prologue: bool = False) -> dict:
+    """Tiles an H100 and an H200 measured best at one row (bench/quant_gemv_tc_tune.py, 2026-11-27): 64 output
+    columns a program (a warpgroup's MMA), 128 for the wide weights and for long ones with a fused prologue (which
+    every program computes again: wider tiles share it), a 128-wide K tile (within one group), 3 stages, and K
+    split until the grid holds 1.5 programs an SM."""
+    block_n = 128 if n >= 16384 or (k >= 8192 and has_prologue) else 64
+    block_k = min(128, group & -group, k & -k)
     tiles = triton.cdiv(n, block_n)
     split = 1
     while tiles * split < 1.5 * num_sms(device) and k // (split * 2) >= 4 * block_k:
@@ -269,7 +271,7 @@ def quant_gemv_tc(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None
     n, k = w.shape
     if out is None:
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
-    tiles = quant_gemv_tc_config(n, k, w.group_size, x.device)
+    tiles = quant_gemv_tc_config(n, k, w.group_size, x.device, gated or norm_weight is not None)
     block_n, block_k = block_n or tiles["block_n"], min(block_k or tiles["block_k"], tiles["block_k"])
     split, unroll = split_k or tiles["split_k"], unroll or tiles["unroll"]
     if k % (block_k * unroll):
