@@ -3,7 +3,8 @@
 The CUDA-core GEMV (`quant_gemv`) spends ~6 instructions a weight (nibble extraction, conversion, one
 multiply-add, the per-group reductions), so on a Hopper it issues instructions at its limit while memory
 delivers half of what it could. Here the multiply-adds go to the tensor cores, which are idle at decode
-sizes, and a weight costs ~1.25 integer instructions:
+sizes, and a weight costs ~1.75 instructions (shared-memory load included; 2.9-3.5 a weight in the whole SASS
+loop against 6.3):
 
 - the kernel computes y^T = w @ x^T, the weight as the MMA's A operand (taken from registers: it is
   widened there) and x^T, padded to 16 columns, as B;
@@ -11,12 +12,11 @@ sizes, and a weight costs ~1.25 integer instructions:
   into the low bytes of both halves of a word (`prmt`), each nibble OR-ed into the mantissa of MAGIC
   (`lop3`; 128 in bf16, 1024 in fp16, whose unit in the last place is 1), so a register holds
   MAGIC + q exactly, no conversion instruction;
-- the zero never touches a weight: a constant zero's term is (MAGIC + zero) * sum(x), which a second
-  MMA with a constant A tile computes into the same accumulator (free: the tensor cores have room);
-  per-group zeros are subtracted in packed half-precision (MAGIC + q - (MAGIC + z) is q - z exactly);
+- the zero (constant or per group) is subtracted in packed half-precision, two weights an instruction:
+  MAGIC + q - (MAGIC + z) is q - z exactly;
 - products of 16-bit values are exact in the fp32 accumulator; each group's sum is scaled once
   (the K tile never spans two groups). So results equal dequantize-then-matmul up to fp32 summation
-  order (a constant zero's term cancels MAGIC + zero times sum(x): ~1e-6 relative on random weights).
+  order.
 
 Narrow layers split K over several programs (`SPLIT_K`): each writes its fp32 partial to a workspace,
 and the program that finishes a column tile last (a counter, acquire-release) sums the partials in a
