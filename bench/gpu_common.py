@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 
@@ -114,6 +115,28 @@ class GpuStepTimer:
         stream (0 for the first step; ~0 when the host launched it in time)."""
         torch.cuda.synchronize()
         return [0.0] + [max(0.0, prev[1].elapsed_time(cur[0])) for prev, cur in zip(self.events, self.events[1:])]
+
+
+def graph_seconds(fn, reps: int = 20) -> float:
+    """Median seconds of fn() replayed as a CUDA graph (captured after one call outside it, which compiles and
+    autotunes): the device time of what fn launches, without the host's launch overhead."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
 
 
 def copy_bandwidth_gbs(num_bytes: int = 2**30) -> float:

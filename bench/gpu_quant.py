@@ -30,7 +30,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -60,6 +59,7 @@ if ARGS.smoke:  # NOTE: before `kernels` (triton.jit) is imported
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
+from gpu_common import graph_seconds
 from gpu_quant_report import markdown
 from gpu_quant_served import section_served
 from gpu_quant_twins import section_twins
@@ -140,23 +140,7 @@ def time_call(fn, reps: int = 20) -> float:
         t0 = time.perf_counter()  # the interpreter: one call (the numbers only show the script runs)
         fn()
         return time.perf_counter() - t0
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()  # compile and autotune outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return graph_seconds(fn, reps)
 
 
 def copy_bandwidth_gbs() -> float:

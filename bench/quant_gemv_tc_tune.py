@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from gpu_common import graph_seconds  # noqa: E402
 
 from kernels.quant_gemm import quant_gemm  # noqa: E402
 from kernels.quant_gemv import quant_gemv  # noqa: E402
@@ -38,26 +38,6 @@ def random_weight(n: int, k: int, awq: bool) -> IntPackedWeight:
                            (torch.rand(groups, device="cuda") * 0.002).to(torch.float16),
                            zeros=torch.randint(0, 16, groups, dtype=torch.uint8, device="cuda") if awq else None,
                            zero=8)
-
-
-def time_graph(fn, reps: int = 20) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -100,7 +80,7 @@ def main() -> None:
                 call = fn or ((lambda w, **t: quant_gemv_tc(plain, w, **t)) if args.plain
                               else (lambda w, **t: quant_gemv_tc(x, w, **kwargs, **t)))
                 try:
-                    seconds = time_graph(lambda call=call, tile=tile: [call(w, **tile) for w in ws])
+                    seconds = graph_seconds(lambda call=call, tile=tile: [call(w, **tile) for w in ws])
                 except Exception as exc:  # noqa: BLE001 - a tile past the shared-memory budget
                     print(json.dumps({"rows": num_rows, "proj": name, "case": label, "error": str(exc)[:120]}))
                     continue

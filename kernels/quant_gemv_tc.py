@@ -39,6 +39,19 @@ from kernels.quant_layout import IntPackedWeight, _magic_plus
 PAD_ROWS = tl.constexpr(16)  # x^T padded to the MMA's smallest N
 
 
+# two bytes (in the low half of $2) -> MAGIC + each low nibble ($0) and each high nibble ($1), MAGIC_BITS two
+# 16-bit floats of MAGIC (0x4300: 128 in bf16; 0x6400: 1024 in fp16); lop3 0xEA is (a & b) | c
+_WIDEN_ASM = """{
+    .reg .b32 t;
+    prmt.b32 t, $2, 0, 0x4140;
+    lop3.b32 $0, t, 0x000F000F, MAGIC_BITS, 0xEA;
+    shr.u32 t, t, 4;
+    lop3.b32 $1, t, 0x000F000F, MAGIC_BITS, 0xEA;
+    }"""
+WIDEN_BF16 = tl.constexpr(_WIDEN_ASM.replace("MAGIC_BITS", "0x43004300"))
+WIDEN_FP16 = tl.constexpr(_WIDEN_ASM.replace("MAGIC_BITS", "0x64006400"))
+
+
 @triton.jit
 def _magic_codes(byte, ACT: tl.constexpr):
     """uint8 [BN, BK/2] -> (MAGIC + low nibble, MAGIC + high nibble), each ACT [BN, BK/2]."""
@@ -46,25 +59,11 @@ def _magic_codes(byte, ACT: tl.constexpr):
         code = byte.to(tl.int16)
         return _magic_plus(code & 15, ACT), _magic_plus(code >> 4, ACT)
     elif ACT == tl.bfloat16:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t;
-            prmt.b32 t, $2, 0, 0x4140;
-            lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA;
-            shr.u32 t, t, 4;
-            lop3.b32 $1, t, 0x000F000F, 0x43004300, 0xEA;
-            }""",
-            constraints="=r,=r,r", args=[byte], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(WIDEN_BF16, "=r,=r,r", [byte], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                                         pack=2)
     else:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t;
-            prmt.b32 t, $2, 0, 0x4140;
-            lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA;
-            shr.u32 t, t, 4;
-            lop3.b32 $1, t, 0x000F000F, 0x64006400, 0xEA;
-            }""",
-            constraints="=r,=r,r", args=[byte], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(WIDEN_FP16, "=r,=r,r", [byte], dtype=(tl.float16, tl.float16), is_pure=True,
+                                         pack=2)
 
 
 @triton.jit
