@@ -33,8 +33,7 @@ from kernels._common import (
     require_inner_contiguous,
     require_same_device,
 )
-from kernels.quant_gemv import MAX_QUANT_GEMV_ROWS, QUANT_GEMV_FASTER_ROWS, TENSOR_CORES, quant_gemv
-from kernels.quant_gemv_tc import takes_tensor_cores
+from kernels.quant_gemv import MAX_QUANT_GEMV_ROWS, QUANT_GEMV_FASTER_ROWS, on_tensor_cores, quant_gemv
 from kernels.quant_layout import (
     IntPackedWeight,
     act_planes,
@@ -173,7 +172,7 @@ def quant_matmul(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None 
         require_inner_contiguous("out", out)
     require_same_device(x=x, qs=w.qs, scales=w.scales)
     if (x.shape[0] <= QUANT_GEMV_FASTER_ROWS or is_fused
-            or (x.shape[0] <= MAX_QUANT_GEMV_ROWS and TENSOR_CORES and takes_tensor_cores(w, x))):
+            or (x.shape[0] <= MAX_QUANT_GEMV_ROWS and on_tensor_cores(w, x))):
         return quant_gemv(x, w, bias, gated=gated, norm_weight=norm_weight, eps=eps, residual=residual, out=out)
     if x.shape[0] >= WIDEN_ROWS and x.is_cuda and x.dtype != torch.float32:
         return widened_matmul(x, w, bias, out=out)

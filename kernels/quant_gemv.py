@@ -42,8 +42,9 @@ from kernels.quant_gemv_tc import quant_gemv_tc, takes_tensor_cores
 from kernels.quant_layout import UNIT_SCALE, IntPackedWeight, kernel_args, tile_for, tile_parts
 
 MAX_QUANT_GEMV_ROWS = 16  # the most rows the kernel takes (the fused decoder options need it)
-# NOTE: past this many rows the tensor-core GEMM is faster even at decode sizes, so past it
-# `quant_matmul` sends the GEMV only fused calls (measured by `bench/gpu_quant.py --only crossover`).
+# NOTE: past this many rows the tensor-core GEMM is faster than this kernel even at decode sizes, so past it
+# `quant_matmul` sends the GEMV only fused calls (measured by `bench/gpu_quant.py --only crossover`) and the
+# 4-bit codes `quant_gemv_tc` takes (faster than the GEMM up to 16 rows).
 QUANT_GEMV_FASTER_ROWS = 2
 # NOTE: read once at import (the A/B switch of bench/gpu_quant.py), like KERNELS_PDL's launches are fixed per run.
 TENSOR_CORES = os.environ.get("KERNELS_QUANT_GEMV_TC", "1") != "0"
@@ -53,6 +54,11 @@ TENSOR_CORES = os.environ.get("KERNELS_QUANT_GEMV_TC", "1") != "0"
 # gated down projection's: its gate in a launch of its own and the product on the tensor cores took 21.0 us + the
 # launch against 28.6.
 TENSOR_CORE_ROWS = 2
+
+
+def on_tensor_cores(w: IntPackedWeight, x: torch.Tensor) -> bool:
+    """Whether the decode matmul of w runs on the tensor cores (`quant_gemv_tc`) when x has the rows for it."""
+    return TENSOR_CORES and takes_tensor_cores(w, x)
 
 
 @triton.jit
@@ -159,7 +165,7 @@ def quant_gemv(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = 
     in x's dtype, fp32 accumulation. Arguments are checked by `quant_matmul`, the entry point. From
     TENSOR_CORE_ROWS rows, 4-bit codes that `quant_gemv_tc` takes go to the tensor cores unless a tile is given
     (`KERNELS_QUANT_GEMV_TC=0`: never)."""
-    if block_n is None and block_k is None and num_warps is None and TENSOR_CORES and takes_tensor_cores(w, x):
+    if block_n is None and block_k is None and num_warps is None and on_tensor_cores(w, x):
         if x.shape[0] >= TENSOR_CORE_ROWS:
             return quant_gemv_tc(x, w, bias, gated=gated, norm_weight=norm_weight, eps=eps, residual=residual, out=out)
         if gated:  # one row: the gate in its own launch, the product on the tensor cores (TENSOR_CORE_ROWS' note)

@@ -115,18 +115,26 @@ def test_layout_and_arguments_are_checked():
         pack_int(torch.full((2, 32), 16), 4, 32, torch.ones(2, 1))
 
 
+def fused_case(variant: str, num_rows: int, n: int, k: int, gen: torch.Generator) -> tuple:
+    """(x, bias, norm_weight, residual, gated) of a fused decoder call named like "bias_norm_residual", bf16."""
+    gated, has_bias, has_norm, has_res = (word in variant for word in ("gated", "bias", "norm", "residual"))
+    x = (3 * torch.randn(num_rows, (2 if gated else 1) * k, generator=gen)).to(torch.bfloat16).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEVICE) if has_bias else None
+    norm_w = (1 + 0.3 * torch.randn(k, generator=gen)).to(torch.bfloat16).to(DEVICE) if has_norm else None
+    res = torch.randn(num_rows, n, generator=gen).to(torch.bfloat16).to(DEVICE) if has_res else None
+    return x, bias, norm_w, res, gated
+
+
 @pytest.mark.parametrize("variant", ["gated_residual", "norm", "bias_norm_residual"])
 @pytest.mark.parametrize("num_rows", [1, 4, MAX_QUANT_GEMV_ROWS])
-def test_fused_decoder_options(variant, num_rows):
-    """The decoder's fusions as `gemv` has them: down (gated, residual), qkv / gate_up (norm, bias), o (residual)."""
-    gated, has_bias, has_norm, has_res = ("gated" in variant, "bias" in variant, "norm" in variant, "residual" in variant)
+def test_fused_decoder_options(variant, num_rows, monkeypatch):
+    """The decoder's fusions as `gemv` has them: down (gated, residual), qkv / gate_up (norm, bias), o (residual);
+    on the CUDA cores (the tensor-core GEMV's own test covers it)."""
+    monkeypatch.setattr("kernels.quant_gemv.TENSOR_CORES", False)
     gen = torch.Generator().manual_seed(num_rows + 3 * len(variant))
     for n, k in SHAPES:
-        w = random_packed(n, k, *VARIANTS["gptq_g128_actorder" if has_norm else "q4_1_g32"], gen)
-        x = (3 * torch.randn(num_rows, (2 if gated else 1) * k, generator=gen)).to(torch.bfloat16).to(DEVICE)
-        bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEVICE) if has_bias else None
-        norm_w = (1 + 0.3 * torch.randn(k, generator=gen)).to(torch.bfloat16).to(DEVICE) if has_norm else None
-        res = torch.randn(num_rows, n, generator=gen).to(torch.bfloat16).to(DEVICE) if has_res else None
+        w = random_packed(n, k, *VARIANTS["gptq_g128_actorder" if "norm" in variant else "q4_1_g32"], gen)
+        x, bias, norm_w, res, gated = fused_case(variant, num_rows, n, k, gen)
         out = poisoned((num_rows, n), torch.bfloat16)
         quant_matmul(x, w, bias, gated=gated, norm_weight=norm_w, eps=1e-5, residual=res, out=out)
         ref = quant_matmul_ref(x, w, bias, gated, norm_w, 1e-5, res)

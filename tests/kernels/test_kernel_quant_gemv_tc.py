@@ -10,7 +10,7 @@ from kernels.quant_gemm import quant_matmul
 from kernels.quant_gemv_tc import _WORKSPACES, quant_gemv_tc, takes_tensor_cores
 from kernels.quant_layout import quant_matmul_ref
 from tests.kernels.kernel_testlib import DEVICE, ON_GPU, TOL, poisoned, rel_err
-from tests.kernels.test_kernel_quant_gemm import random_packed
+from tests.kernels.test_kernel_quant_gemm import fused_case, random_packed
 
 # name: (bits, group_size or None = per channel, per-group zeros, offsets, act-order permutation)
 VARIANTS = {
@@ -45,14 +45,10 @@ def test_matches_dequantized_reference(variant, dtype, num_rows, split_k):
 def test_fused_decoder_options(variant, num_rows, split_k):
     """down (gated, residual), qkv / gate_up (norm, bias), o (residual); the norm's sums cover all of K when
     K is split."""
-    gated, has_bias, has_norm, has_res = (word in variant for word in ("gated", "bias", "norm", "residual"))
     gen = torch.Generator().manual_seed(num_rows + 3 * len(variant) + split_k)
     for n, k in SHAPES:
-        w = random_packed(n, k, *VARIANTS["gptq_g128_actorder" if has_norm else "gptq_g128_sym"], gen)
-        x = (3 * torch.randn(num_rows, (2 if gated else 1) * k, generator=gen)).to(torch.bfloat16).to(DEVICE)
-        bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEVICE) if has_bias else None
-        norm_w = (1 + 0.3 * torch.randn(k, generator=gen)).to(torch.bfloat16).to(DEVICE) if has_norm else None
-        res = torch.randn(num_rows, n, generator=gen).to(torch.bfloat16).to(DEVICE) if has_res else None
+        w = random_packed(n, k, *VARIANTS["gptq_g128_actorder" if "norm" in variant else "gptq_g128_sym"], gen)
+        x, bias, norm_w, res, gated = fused_case(variant, num_rows, n, k, gen)
         out = poisoned((num_rows, n), torch.bfloat16)
         quant_gemv_tc(x, w, bias, gated=gated, norm_weight=norm_w, eps=1e-5, residual=res, out=out, split_k=split_k)
         ref = quant_matmul_ref(x, w, bias, gated, norm_w, 1e-5, res)
