@@ -83,10 +83,14 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def compute_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device; cached (launchers ask on every call)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def is_hopper_or_later(device: torch.device) -> bool:
     """A CUDA device of compute capability 9.0 or more (228 KiB of shared memory a multiprocessor); cached."""
-    return device.type == "cuda" and _capability(device.index if device.index is not None
-                                                 else torch.cuda.current_device()) >= (9, 0)
+    return device.type == "cuda" and compute_capability(device) >= (9, 0)
 
 
 def dot_upcast() -> bool:

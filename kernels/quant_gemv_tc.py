@@ -33,7 +33,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import _INTERPRETED, cast, is_interpreter, mma, num_sms, pdl_args, pdl_enter
+from kernels._common import (
+    _INTERPRETED,
+    cast,
+    compute_capability,
+    is_interpreter,
+    mma,
+    num_sms,
+    pdl_args,
+    pdl_enter,
+)
 from kernels.quant_layout import IntPackedWeight, _magic_plus
 
 PAD_ROWS = tl.constexpr(16)  # x^T padded to the MMA's smallest N
@@ -226,7 +235,7 @@ def takes_tensor_cores(w: IntPackedWeight, x: torch.Tensor) -> bool:
     n, k = w.shape
     return (w.bits == 4 and w.offsets is None and x.dtype in (torch.float16, torch.bfloat16)
             and w.group_size >= 64 and k % 64 == 0 and (w.group_size == k or w.group_size % 64 == 0)
-            and (is_interpreter() or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 8)))
+            and (is_interpreter() or (x.is_cuda and compute_capability(x.device) >= (8, 0))))
 
 
 def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_prologue: bool = False) -> dict:
