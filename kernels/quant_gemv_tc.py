@@ -42,10 +42,12 @@ from kernels._common import (
     num_sms,
     pdl_args,
     pdl_enter,
+    require,
 )
 from kernels.quant_layout import IntPackedWeight, _magic_plus
 
-PAD_ROWS = tl.constexpr(16)  # x^T padded to the MMA's smallest N
+MAX_ROWS = 16  # x^T padded to the MMA's smallest N
+PAD_ROWS = tl.constexpr(MAX_ROWS)
 
 
 # two bytes (in the low half of $2) -> MAGIC + each low nibble ($0) and each high nibble ($1), MAGIC_BITS two
@@ -276,6 +278,7 @@ def quant_gemv_tc(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None
     """x [M, K] ([M, 2K] when gated; M <= 16) @ dequant(w).T + bias (+ residual) -> [M, N] in x's dtype, for
     a weight `takes_tensor_cores` accepts. Arguments are checked by `quant_matmul`, the entry point."""
     num_rows = x.shape[0]
+    require(num_rows <= MAX_ROWS, lambda: f"x: at most {MAX_ROWS} rows, got {num_rows}")
     n, k = w.shape
     if out is None:
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
@@ -284,7 +287,7 @@ def quant_gemv_tc(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None
     split, unroll = split_k or tiles["split_k"], unroll or tiles["unroll"]
     if k % (block_k * unroll):
         unroll = 1
-    ws, counts = _workspace(x.device, split * PAD_ROWS * n, triton.cdiv(n, block_n)) if split > 1 else (x, x)
+    ws, counts = _workspace(x.device, split * MAX_ROWS * n, triton.cdiv(n, block_n)) if split > 1 else (x, x)
     opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"],
                                         "num_stages": num_stages or tiles["num_stages"]}
     _quant_gemv_tc_kernel[(triton.cdiv(n, block_n), split)](

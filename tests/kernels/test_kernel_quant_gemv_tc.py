@@ -95,3 +95,10 @@ def test_quant_matmul_routes_4bit_codes_through_it(num_rows):
     if num_rows > 1:  # one plain row stays on the CUDA cores
         assert torch.equal(plain, quant_gemv_tc(x[:, :k], w))
     assert rel_err(plain, quant_matmul_ref(x[:, :k], w)) < OUT_TOL[torch.bfloat16]
+
+
+def test_more_rows_than_it_pads_to_are_refused():
+    gen = torch.Generator().manual_seed(10)
+    w = random_packed(8, 256, *VARIANTS["gptq_g128_sym"], gen)
+    with pytest.raises(ValueError, match="x: at most 16 rows, got 17"):
+        quant_gemv_tc(torch.randn(17, 256, generator=gen).to(torch.bfloat16).to(DEVICE), w)
