@@ -69,13 +69,11 @@ def main() -> None:
                 cases.append(("plain_gemm", lambda w, **t: quant_gemm(plain, w), {}))
             if not args.quick and num_rows == 1:
                 split = default["split_k"]
-                variants = ((64, 128, 1), (128, 128, 1), (64, 128, 2), (128, 128, 2), (256, 64, 1))
-                for block_n, block_k, unroll in variants:
+                for block_n, block_k in ((64, 128), (128, 128), (256, 64)):
                     for split_k in sorted({max(1, split // 2), split, split * 2} if block_n < 256 else {1, 2, 4, 8}):
                         for stages in (2, 3):
-                            tile = {"block_n": block_n, "block_k": block_k, "unroll": unroll, "split_k": split_k,
-                                    "num_stages": stages}
-                            cases.append((f"tc_{block_n}_{block_k}_u{unroll}_s{split_k}_{stages}", None, tile))
+                            tile = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_stages": stages}
+                            cases.append((f"tc_{block_n}_{block_k}_s{split_k}_{stages}", None, tile))
             for label, fn, tile in cases:
                 call = fn or ((lambda w, **t: quant_gemv_tc(plain, w, **t)) if args.plain
                               else (lambda w, **t: quant_gemv_tc(x, w, **kwargs, **t)))

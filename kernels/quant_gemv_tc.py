@@ -142,8 +142,7 @@ def _quant_gemv_tc_kernel(
     M, N, K, eps, stride_xm, stride_rm, stride_ym,
     GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, UNROLL: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     ACT: tl.constexpr = x_ptr.dtype.element_ty
     MAGIC: tl.constexpr = 128.0 if ACT == tl.bfloat16 else 1024.0
@@ -157,14 +156,13 @@ def _quant_gemv_tc_kernel(
     plane_cols = (b // 16) * 32 + b % 16  # plane lo's columns of a tile; plane hi's are 16 further
     acc = tl.zeros((BLOCK_N, PAD_ROWS), dtype=tl.float32)
     squares = tl.zeros((PAD_ROWS,), dtype=tl.float32)
-    k_split = tl.cdiv(K // (BLOCK_K * UNROLL), SPLIT_K) * (BLOCK_K * UNROLL)  # K: a multiple of BLOCK_K * UNROLL
-    k_begin = tl.multiple_of(tl.program_id(1) * k_split, BLOCK_K * UNROLL)
-    for k0 in range(k_begin, tl.minimum(k_begin + k_split, K), BLOCK_K * UNROLL):
-        for u in tl.static_range(UNROLL):  # UNROLL independent K tiles an iteration
-            part, squares = _k_tile(x_ptr, perm_ptr, nw_ptr, qs_ptr, s_ptr, z_ptr, rows, k0 + u * BLOCK_K, b,
-                                    plane_cols, offs_m, M, K, stride_qs, stride_s, stride_xm, squares, GROUP, ZERO,
-                                    HAS_ZEROS, HAS_PERM, GATED, NORM, BLOCK_N, MAGIC, ACT)
-            acc += part
+    k_split = tl.cdiv(K // BLOCK_K, SPLIT_K) * BLOCK_K  # K is a multiple of BLOCK_K
+    k_begin = tl.multiple_of(tl.program_id(1) * k_split, BLOCK_K)
+    for k0 in range(k_begin, tl.minimum(k_begin + k_split, K), BLOCK_K):
+        part, squares = _k_tile(x_ptr, perm_ptr, nw_ptr, qs_ptr, s_ptr, z_ptr, rows, k0, b, plane_cols, offs_m, M,
+                                K, stride_qs, stride_s, stride_xm, squares, GROUP, ZERO, HAS_ZEROS, HAS_PERM, GATED,
+                                NORM, BLOCK_N, MAGIC, ACT)
+        acc += part
     ws_at = offs_m[None, :] * N + offs_n[:, None]  # [BN, 16] in one split's [16, N] slab
     if SPLIT_K > 1:
         tl.store(ws_ptr + tl.program_id(1) * PAD_ROWS * N + ws_at, acc, mask=n_mask[:, None])
@@ -251,7 +249,7 @@ def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_p
     split = 1
     while tiles * split < 1.5 * num_sms(device) and k // (split * 2) >= 4 * block_k:
         split *= 2
-    return {"block_n": block_n, "block_k": block_k, "split_k": split, "unroll": 1, "num_warps": 4, "num_stages": 3}
+    return {"block_n": block_n, "block_k": block_k, "split_k": split, "num_warps": 4, "num_stages": 3}
 
 
 _WORKSPACES: dict = {}
@@ -273,7 +271,7 @@ def _workspace(device: torch.device, num_floats: int, num_counters: int) -> tupl
 def quant_gemv_tc(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = None, *, gated: bool = False,
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
                   out: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
-                  split_k: int | None = None, unroll: int | None = None, num_warps: int | None = None,
+                  split_k: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None) -> torch.Tensor:
     """x [M, K] ([M, 2K] when gated; M <= 16) @ dequant(w).T + bias (+ residual) -> [M, N] in x's dtype, for
     a weight `takes_tensor_cores` accepts. Arguments are checked by `quant_matmul`, the entry point."""
@@ -284,9 +282,7 @@ def quant_gemv_tc(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     tiles = quant_gemv_tc_config(n, k, w.group_size, x.device, gated or norm_weight is not None)
     block_n, block_k = block_n or tiles["block_n"], min(block_k or tiles["block_k"], tiles["block_k"])
-    split, unroll = split_k or tiles["split_k"], unroll or tiles["unroll"]
-    if k % (block_k * unroll):
-        unroll = 1
+    split = split_k or tiles["split_k"]
     ws, counts = _workspace(x.device, split * MAX_ROWS * n, triton.cdiv(n, block_n)) if split > 1 else (x, x)
     opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"],
                                         "num_stages": num_stages or tiles["num_stages"]}
@@ -297,5 +293,5 @@ def quant_gemv_tc(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None
         num_rows, n, k, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         GROUP=w.group_size, ZERO=float(w.zero), HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None,
         HAS_BIAS=bias is not None, GATED=gated, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, UNROLL=unroll, **opts, **pdl_args(x.device))
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, **opts, **pdl_args(x.device))
     return out
