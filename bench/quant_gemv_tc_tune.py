@@ -6,7 +6,10 @@ plain (`plain_tc`) and, past 2 rows, through the tensor-core GEMM (`plain_gemm`)
 variants at 1 row); weights rotated over > 256 MB so every call reads memory, CUDA-graph replays, GB/s of
 packed weight read. Prints one JSON line a case and writes them to --out.
 
-Usage: python bench/quant_gemv_tc_tune.py --out FILE [--rows 1,2,4,8,16] [--quick]     (GPU, ~2 minutes)
+Weights in row tiles as the engine loads them (`--row-major`: the plain layout); `split_tc`: the prologue in a
+launch of its own, then the plain GEMV (one row's route, `kernels.quant_gemv.ONE_ROW`).
+
+Usage: python bench/quant_gemv_tc_tune.py --out FILE [--rows 1,2,4,8,16] [--quick] [--row-major]  (GPU, ~2 min)
 """
 
 # isort: split
@@ -23,21 +26,34 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 from gpu_common import graph_seconds  # noqa: E402
 
+from kernels.activation import silu_and_mul  # noqa: E402
+from kernels.norm import rms_norm  # noqa: E402
 from kernels.quant_gemm import quant_gemm  # noqa: E402
 from kernels.quant_gemv import quant_gemv  # noqa: E402
 from kernels.quant_gemv_tc import quant_gemv_tc, quant_gemv_tc_config  # noqa: E402
-from kernels.quant_layout import IntPackedWeight  # noqa: E402
+from kernels.quant_layout import IntPackedWeight, with_row_tiles  # noqa: E402
 
 PROJECTIONS = [("qkv", 6144, 4096, ("norm",)), ("o", 4096, 4096, ("residual",)),
                ("gate_up", 28672, 4096, ("norm",)), ("down", 4096, 14336, ("gated", "residual"))]
 
 
-def random_weight(n: int, k: int, awq: bool) -> IntPackedWeight:
+def random_weight(n: int, k: int, awq: bool, row_major: bool) -> IntPackedWeight:
+    """In row tiles as the engine loads it (`with_row_tiles`), or `row_major`."""
     groups = (n, k // 128)
-    return IntPackedWeight(4, 128, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda"),
-                           (torch.rand(groups, device="cuda") * 0.002).to(torch.float16),
-                           zeros=torch.randint(0, 16, groups, dtype=torch.uint8, device="cuda") if awq else None,
-                           zero=8)
+    w = IntPackedWeight(4, 128, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda"),
+                        (torch.rand(groups, device="cuda") * 0.002).to(torch.float16),
+                        zeros=torch.randint(0, 16, groups, dtype=torch.uint8, device="cuda") if awq else None,
+                        zero=8)
+    return w if row_major else with_row_tiles(w)
+
+
+def split_prologue(x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """x through the fused options' prologue in a launch of its own (what one row does: `quant_gemv.ONE_ROW`)."""
+    if kwargs["gated"]:
+        return silu_and_mul(x)
+    if "norm_weight" in kwargs:
+        return rms_norm(x, kwargs["norm_weight"], 1e-6)
+    return x
 
 
 def main() -> None:
@@ -47,12 +63,13 @@ def main() -> None:
     p.add_argument("--awq", action="store_true")
     p.add_argument("--quick", action="store_true", help="defaults only, no tile variants")
     p.add_argument("--plain", action="store_true", help="tile variants without the fused options")
+    p.add_argument("--row-major", action="store_true", help="weights in the row-major layout, not row tiles")
     args = p.parse_args()
     rows_out = []
     for num_rows in [int(r) for r in args.rows.split(",")]:
         for name, n, k, options in PROJECTIONS:
             copies = max(2, (256 << 20) // (n * k // 2))
-            ws = [random_weight(n, k, args.awq) for _ in range(copies)]
+            ws = [random_weight(n, k, args.awq, args.row_major) for _ in range(copies)]
             x = torch.randn(num_rows, 2 * k if "gated" in options else k, device="cuda", dtype=torch.bfloat16)
             kwargs = {"gated": "gated" in options}
             if "norm" in options:
@@ -60,11 +77,14 @@ def main() -> None:
             if "residual" in options:
                 kwargs["residual"] = torch.randn(num_rows, n, device="cuda", dtype=torch.bfloat16)
             num_bytes = sum(w.nbytes for w in ws)
-            default = quant_gemv_tc_config(n, k, 128, x.device, not args.plain and options != ("residual",))
+            default = quant_gemv_tc_config(n, k, 128, x.device, not args.plain and options != ("residual",),
+                                           not args.row_major)
             plain = x[:, :k] if "gated" in options else x
             cases = [("cuda_cores", lambda w, **t: quant_gemv(x, w, block_n=None, block_k=1024, **kwargs), {}),
                      ("tc_default", lambda w, **t: quant_gemv_tc(x, w, **kwargs, **t), {}),
-                     ("plain_tc", lambda w, **t: quant_gemv_tc(plain, w), {})]
+                     ("plain_tc", lambda w, **t: quant_gemv_tc(plain, w), {}),
+                     ("split_tc", lambda w, **t: quant_gemv_tc(split_prologue(x, kwargs), w,
+                                                                residual=kwargs.get("residual")), {})]
             if num_rows > 2:
                 cases.append(("plain_gemm", lambda w, **t: quant_gemm(plain, w), {}))
             if not args.quick and num_rows == 1:

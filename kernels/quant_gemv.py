@@ -38,6 +38,7 @@ import triton.language as tl
 
 from kernels._common import cast, is_interpreter, next_pow2, pdl_args, pdl_enter
 from kernels.activation import silu_and_mul
+from kernels.norm import rms_norm
 from kernels.quant_gemv_tc import quant_gemv_tc, takes_tensor_cores
 from kernels.quant_layout import UNIT_SCALE, IntPackedWeight, kernel_args, tile_for, tile_parts
 
@@ -48,12 +49,16 @@ MAX_QUANT_GEMV_ROWS = 16  # the most rows the kernel takes (the fused decoder op
 QUANT_GEMV_FASTER_ROWS = 2
 # NOTE: read once at import (the A/B switch of bench/gpu_quant.py), like KERNELS_PDL's launches are fixed per run.
 TENSOR_CORES = os.environ.get("KERNELS_QUANT_GEMV_TC", "1") != "0"
-# From this many rows `quant_gemv_tc` is faster (an H200, bench/quant_gemv_tc_tune.py, 2026-11-27: the fused
-# projections at 2 rows 161 -> 107 us a layer, at 16 rows 1,031 -> 112); at one row the CUDA-core kernel's
-# fused prologues win (87 against 98 us: the tensor-core kernel runs its prologue on 16 padded rows), except the
-# gated down projection's: its gate in a launch of its own and the product on the tensor cores took 21.0 us + the
-# launch against 28.6.
+# From this many rows `quant_gemv_tc` takes the fused options in its own prologue (an H200,
+# bench/quant_gemv_tc_tune.py, 2026-11-27: the fused projections at 2 rows 161 -> 107 us a layer, at 16 rows
+# 1,031 -> 112). At one row that prologue, run on all 16 padded rows, costs more than it saves (87 against 98 us
+# a layer on the CUDA cores): ONE_ROW says what one row does instead (`KERNELS_QUANT_GEMV_ONE_ROW`, read once):
+# "split": the prologue in a launch of its own (`silu_and_mul`, `rms_norm`) and the plain tensor-core GEMV;
+# "fused": the tensor-core GEMV with its prologue; "cuda": the CUDA-core GEMV, fused (a gate split as above).
 TENSOR_CORE_ROWS = 2
+ONE_ROW = os.environ.get("KERNELS_QUANT_GEMV_ONE_ROW", "split")
+if ONE_ROW not in ("split", "fused", "cuda"):
+    raise ValueError(f"KERNELS_QUANT_GEMV_ONE_ROW: split, fused or cuda, got {ONE_ROW!r}")
 
 
 def on_tensor_cores(w: IntPackedWeight, x: torch.Tensor) -> bool:
@@ -77,6 +82,7 @@ def _quant_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNK: tl.constexpr, GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr, UNIT_CODES: tl.constexpr,
     USE_PDL: tl.constexpr,
+    TILE_N: tl.constexpr = 0,
 ):
     NUM_CHUNKS: tl.constexpr = BLOCK_K // 2 // CHUNK
     pdl_enter(USE_PDL)
@@ -88,7 +94,7 @@ def _quant_gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k, z_lo, z_hi = tile_parts(
             qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
-            ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, UNIT_CODES)
+            ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, UNIT_CODES, TILE_N=TILE_N)
         if HAS_PERM:
             cols_lo = tl.load(perm_ptr + cols_lo, mask=in_k, other=0)
             cols_hi = tl.load(perm_ptr + cols_hi, mask=in_k, other=0)
@@ -166,10 +172,14 @@ def quant_gemv(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = 
     TENSOR_CORE_ROWS rows, 4-bit codes that `quant_gemv_tc` takes go to the tensor cores unless a tile is given
     (`KERNELS_QUANT_GEMV_TC=0`: never)."""
     if block_n is None and block_k is None and num_warps is None and on_tensor_cores(w, x):
-        if x.shape[0] >= TENSOR_CORE_ROWS:
+        if x.shape[0] >= TENSOR_CORE_ROWS or ONE_ROW == "fused":
             return quant_gemv_tc(x, w, bias, gated=gated, norm_weight=norm_weight, eps=eps, residual=residual, out=out)
-        if gated:  # one row: the gate in its own launch, the product on the tensor cores (TENSOR_CORE_ROWS' note)
+        if gated:  # one row: the gate in its own launch, the product on the tensor cores (ONE_ROW's note)
             return quant_gemv_tc(silu_and_mul(x), w, bias, residual=residual, out=out)
+        if ONE_ROW == "split":
+            if norm_weight is not None:
+                x = rms_norm(x, norm_weight, eps)
+            return quant_gemv_tc(x, w, bias, residual=residual, out=out)
     num_rows = x.shape[0]
     n, k = w.shape
     if out is None:

@@ -106,12 +106,12 @@ def _x_planes(x_ptr, nw_ptr, perm_ptr, cols, offs_m, M, K, stride_xm, squares,
 
 
 @triton.jit
-def _k_tile(x_ptr, perm_ptr, nw_ptr, qs_ptr, s_ptr, z_ptr, rows, k0, b, plane_cols, offs_m, M, K, stride_qs,
+def _k_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, k0, plane_cols, offs_m, M, K,
             stride_s, stride_xm, squares, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
             HAS_PERM: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
             MAGIC: tl.constexpr, ACT: tl.constexpr):
     """Columns k0 .. k0 + BLOCK_K (one group's) of rows `rows`: (scale * sum(x * (q - z)) fp32 [BN, 16], squares)."""
-    byte = tl.load(qs_ptr + rows[:, None] * stride_qs + (k0 // 2 + b)[None, :])  # [BN, BK/2] uint8
+    byte = tl.load(q_at)  # [BN, BK/2] uint8
     x_lo, squares = _x_planes(x_ptr, nw_ptr, perm_ptr, k0 + plane_cols, offs_m, M, K, stride_xm, squares,
                               GATED, NORM, HAS_PERM, ACT)
     x_hi, squares = _x_planes(x_ptr, nw_ptr, perm_ptr, k0 + 16 + plane_cols, offs_m, M, K, stride_xm, squares,
@@ -143,6 +143,7 @@ def _quant_gemv_tc_kernel(
     GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
+    TILE_N: tl.constexpr,
 ):
     ACT: tl.constexpr = x_ptr.dtype.element_ty
     MAGIC: tl.constexpr = 128.0 if ACT == tl.bfloat16 else 1024.0
@@ -158,9 +159,19 @@ def _quant_gemv_tc_kernel(
     squares = tl.zeros((PAD_ROWS,), dtype=tl.float32)
     k_split = tl.cdiv(K // BLOCK_K, SPLIT_K) * BLOCK_K  # K is a multiple of BLOCK_K
     k_begin = tl.multiple_of(tl.program_id(1) * k_split, BLOCK_K)
+    if TILE_N == 0:  # the byte offset of each row's K step 0 (`quant_layout.qs_offsets`, hoisted)
+        q_rows = rows * stride_qs
+    else:
+        q_rows = (rows // TILE_N) * (TILE_N * stride_qs) + (rows % TILE_N) * 64  # 64: quant_layout.TILE_BYTES
     for k0 in range(k_begin, tl.minimum(k_begin + k_split, K), BLOCK_K):
-        part, squares = _k_tile(x_ptr, perm_ptr, nw_ptr, qs_ptr, s_ptr, z_ptr, rows, k0, b, plane_cols, offs_m, M,
-                                K, stride_qs, stride_s, stride_xm, squares, GROUP, ZERO, HAS_ZEROS, HAS_PERM, GATED,
+        if TILE_N == 0:
+            q_at = qs_ptr + q_rows[:, None] + (k0 // 2 + b)[None, :]
+        elif BLOCK_K == 128:  # a K step is one tile (of 64 bytes a row)
+            q_at = qs_ptr + q_rows[:, None] + (k0 // 128) * (TILE_N * 64) + b[None, :]
+        else:  # BLOCK_K < 128: a K step stays inside one tile
+            q_at = qs_ptr + q_rows[:, None] + (k0 // 128) * (TILE_N * 64) + (k0 // 2) % 64 + b[None, :]
+        part, squares = _k_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, k0, plane_cols, offs_m, M,
+                                K, stride_s, stride_xm, squares, GROUP, ZERO, HAS_ZEROS, HAS_PERM, GATED,
                                 NORM, BLOCK_N, MAGIC, ACT)
         acc += part
     ws_at = offs_m[None, :] * N + offs_n[:, None]  # [BN, 16] in one split's [16, N] slab
@@ -238,12 +249,14 @@ def takes_tensor_cores(w: IntPackedWeight, x: torch.Tensor) -> bool:
             and (is_interpreter() or (x.is_cuda and compute_capability(x.device) >= (8, 0))))
 
 
-def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_prologue: bool = False) -> dict:
+def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_prologue: bool = False,
+                         tiled: bool = False) -> dict:
     """Tiles an H100 and an H200 measured best at one row (bench/quant_gemv_tc_tune.py, 2026-11-27): 64 output
     columns a program (a warpgroup's MMA), 128 for the wide weights and for long ones with a fused prologue (which
-    every program computes again: wider tiles share it), a 128-wide K tile (within one group), 3 stages, and K
-    split until the grid holds 1.5 programs an SM."""
-    block_n = 128 if n >= 16384 or (k >= 8192 and has_prologue) else 64
+    every program computes again: wider tiles share it) or in row tiles (`tiled`; down plain 21.4 -> 17.4 us on
+    an H200, bench/tc_gemv_probe.py), a 128-wide K tile (within one group), 3 stages, and K split until the grid
+    holds 1.5 programs an SM."""
+    block_n = 128 if n >= 16384 or (k >= 8192 and (has_prologue or tiled)) else 64
     block_k = min(128, group & -group, k & -k)
     tiles = triton.cdiv(n, block_n)
     split = 1
@@ -280,7 +293,7 @@ def quant_gemv_tc(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None
     n, k = w.shape
     if out is None:
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
-    tiles = quant_gemv_tc_config(n, k, w.group_size, x.device, gated or norm_weight is not None)
+    tiles = quant_gemv_tc_config(n, k, w.group_size, x.device, gated or norm_weight is not None, w.tile_n > 0)
     block_n, block_k = block_n or tiles["block_n"], min(block_k or tiles["block_k"], tiles["block_k"])
     split = split_k or tiles["split_k"]
     ws, counts = _workspace(x.device, split * MAX_ROWS * n, triton.cdiv(n, block_n)) if split > 1 else (x, x)
@@ -293,5 +306,5 @@ def quant_gemv_tc(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None
         num_rows, n, k, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         GROUP=w.group_size, ZERO=float(w.zero), HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None,
         HAS_BIAS=bias is not None, GATED=gated, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, **opts, **pdl_args(x.device))
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, TILE_N=w.tile_n, **opts, **pdl_args(x.device))
     return out

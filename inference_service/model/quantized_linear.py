@@ -28,7 +28,7 @@ from inference_service.model.quant.rows import concat_rows
 from inference_service.model.quant.summary import PackedWeight, describe_weight
 from kernels._common import is_interpreter
 from kernels.fp8_gemm import Fp8Weight
-from kernels.quant_layout import IntPackedWeight
+from kernels.quant_layout import IntPackedWeight, with_row_tiles
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,11 @@ _PACKED_TYPES = (IntPackedWeight, Fp8Weight)
 def runs_packed(device: torch.device | str) -> bool:
     """Whether the quantized Triton kernels run on `device`: CUDA, or anything under the interpreter."""
     return torch.device(device).type == "cuda" or is_interpreter()
+
+
+def _kernel_layout(weight: PackedWeight) -> PackedWeight:
+    """The weight in the layout the GPU kernels stream fastest (4-bit codes in row tiles: `with_row_tiles`)."""
+    return with_row_tiles(weight) if isinstance(weight, IntPackedWeight) else weight
 
 
 class QuantizedLinear(LinearBase):
@@ -102,13 +107,13 @@ class QuantizedLinear(LinearBase):
                     raise UnsupportedModelError(f"packed rows start at {first}, expected {expected}")
                 expected += w.shape[0]
             try:
-                self.packed = concat_rows([w for _, w in parts])
+                self.packed = _kernel_layout(concat_rows([w for _, w in parts]))
             except ValueError as e:
                 # NOTE: parts that cannot share one weight (GPTQ act-order parts with different g_idx,
                 # fp8 blocks that split a part) each run their own kernel into their rows of the output.
                 logger.info("a projection keeps %d quantized parts apart: %s", len(parts), e)
-                self.packed = parts[0][1]
-                self._split_parts = parts
+                self._split_parts = [(first, _kernel_layout(w)) for first, w in parts]
+                self.packed = self._split_parts[0][1]
         else:
             if self._num_plain_rows:
                 logger.info("a projection of %d rows came %d of them quantized and %d plain: running it in %s",

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.norm import rms_norm
 from kernels.quant_gemm import quant_matmul
+from kernels.quant_gemv import quant_gemv
 from kernels.quant_gemv_tc import _WORKSPACES, quant_gemv_tc, takes_tensor_cores
-from kernels.quant_layout import quant_matmul_ref
+from kernels.quant_layout import quant_matmul_ref, with_row_tiles
 from tests.kernels.kernel_testlib import DEVICE, ON_GPU, TOL, poisoned, rel_err
 from tests.kernels.test_kernel_quant_gemm import fused_case, random_packed
 
@@ -81,9 +83,10 @@ def test_takes_only_what_it_computes_exactly():
 
 
 @pytest.mark.parametrize("num_rows", [1, 2, 8])
-def test_quant_matmul_routes_4bit_codes_through_it(num_rows):
+def test_quant_matmul_routes_4bit_codes_through_it(num_rows, monkeypatch):
     """The entry point: one gated row (its gate in a launch of its own), 2 fused rows and 8 plain rows all end
     on the tensor-core kernel and match the reference."""
+    monkeypatch.setattr("kernels.quant_gemv.ONE_ROW", "split")
     gen = torch.Generator().manual_seed(8 + num_rows)
     n, k = SHAPES[0]
     w = random_packed(n, k, *VARIANTS["gptq_g128_sym"], gen)
@@ -92,9 +95,26 @@ def test_quant_matmul_routes_4bit_codes_through_it(num_rows):
     out = quant_matmul(x, w, gated=True, residual=res)
     assert rel_err(out, quant_matmul_ref(x, w, gated=True, residual=res)) < TOL[torch.bfloat16]
     plain = quant_matmul(x[:, :k], w)
-    if num_rows > 1:  # one plain row stays on the CUDA cores
-        assert torch.equal(plain, quant_gemv_tc(x[:, :k], w))
+    assert torch.equal(plain, quant_gemv_tc(x[:, :k], w))
     assert rel_err(plain, quant_matmul_ref(x[:, :k], w)) < OUT_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("one_row", ["split", "fused", "cuda"])
+def test_one_normed_row_takes_the_route_asked_for(one_row, monkeypatch):
+    """One row with the RMSNorm prologue (qkv, gate_up at batch 1): "split" normalizes in a launch of its own
+    (`rms_norm`) and runs the plain tensor-core GEMV, "fused" the tensor-core GEMV's prologue, "cuda" the
+    CUDA-core GEMV's; each is the reference up to rounding."""
+    monkeypatch.setattr("kernels.quant_gemv.ONE_ROW", one_row)
+    gen = torch.Generator().manual_seed(11)
+    n, k = SHAPES[0]
+    w = with_row_tiles(random_packed(128, k, *VARIANTS["gptq_g128_actorder"], gen))
+    x, bias, norm_w, res, _ = fused_case("bias_norm_residual", 1, 128, k, gen)
+    out = quant_matmul(x, w, bias, norm_weight=norm_w, eps=1e-5, residual=res)
+    assert rel_err(out, quant_matmul_ref(x, w, bias, False, norm_w, 1e-5, res)) < TOL[torch.bfloat16]
+    expected = {"split": lambda: quant_gemv_tc(rms_norm(x, norm_w, 1e-5), w, bias, residual=res),
+                "fused": lambda: quant_gemv_tc(x, w, bias, norm_weight=norm_w, eps=1e-5, residual=res),
+                "cuda": lambda: quant_gemv(x, w, bias, norm_weight=norm_w, eps=1e-5, residual=res, block_k=1024)}
+    assert torch.equal(out, expected[one_row]())
 
 
 def test_more_rows_than_it_pads_to_are_refused():

@@ -8,7 +8,7 @@ import torch
 
 from inference_service.model.quant.summary import PackedWeight
 from kernels.fp8_gemm import Fp8Weight
-from kernels.quant_layout import IntPackedWeight
+from kernels.quant_layout import IntPackedWeight, row_major_qs
 
 
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
@@ -38,7 +38,7 @@ def _concat_int(parts: list[IntPackedWeight]) -> IntPackedWeight:
         raise ValueError("cannot stack weights with and without offsets")
 
     def cat(name: str) -> torch.Tensor | None:
-        tensors = [getattr(p, name) for p in parts]
+        tensors = [row_major_qs(p) if name == "qs" else getattr(p, name) for p in parts]
         return None if tensors[0] is None else torch.cat(tensors)
 
     zeros, zero = None, first.zero
@@ -76,5 +76,5 @@ def select_rows(w: PackedWeight, index: np.ndarray | torch.Tensor) -> PackedWeig
         if w.block_n != 1:
             raise ValueError("rows of an fp8 weight with block or per-tensor scales cannot be reordered")
         return Fp8Weight(pick(w.weight), pick(w.scale), 1, w.block_k)
-    return IntPackedWeight(w.bits, w.group_size, pick(w.qs), pick(w.scales), qh=pick(w.qh), zeros=pick(w.zeros),
-                           zero=w.zero, offsets=pick(w.offsets), perm=w.perm)
+    return IntPackedWeight(w.bits, w.group_size, pick(row_major_qs(w)), pick(w.scales), qh=pick(w.qh),
+                           zeros=pick(w.zeros), zero=w.zero, offsets=pick(w.offsets), perm=w.perm)
