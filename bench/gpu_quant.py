@@ -51,6 +51,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--formats", default="", help="formats the pass sections run (comma-separated; default all)")
     p.add_argument("--served-methods", default="bf16,int4,int8,fp8", help="weights the served section decodes with")
     p.add_argument("--smoke", action="store_true", help="CPU dry run: Triton interpreter, a tiny model")
+    p.add_argument("--row-major", action="store_true", help="pass sections: 4-bit codes row-major, not in row tiles")
     return p.parse_args()
 
 
@@ -69,7 +70,7 @@ from kernels.fp8_gemm import Fp8Weight, fp8_linear, fp8_quantized_matmul
 from kernels.fp8_gemv import fp8_gemv
 from kernels.quant_gemm import quant_gemm, quant_matmul
 from kernels.quant_gemv import quant_gemv
-from kernels.quant_layout import IntPackedWeight
+from kernels.quant_layout import IntPackedWeight, with_row_tiles
 
 DEVICE = torch.device("cpu" if ARGS.smoke else "cuda")
 BF16 = torch.bfloat16
@@ -112,7 +113,8 @@ def random_weight(fmt: str, n: int, k: int):
         scales = (torch.rand(groups, device=DEVICE) * 0.002).to(scale_dtype)
         zeros = torch.randint(0, 16, groups, dtype=torch.uint8, device=DEVICE) if has_zeros else None
         offsets = (torch.rand(groups, device=DEVICE) * -0.01).to(scale_dtype) if has_offsets else None
-        return IntPackedWeight(bits, group, qs, scales, zeros=zeros, zero=1 << (bits - 1), offsets=offsets)
+        w = IntPackedWeight(bits, group, qs, scales, zeros=zeros, zero=1 << (bits - 1), offsets=offsets)
+        return w if ARGS.row_major else with_row_tiles(w)  # the layout the engine loads
     block_n, block_k = FP8_LAYOUTS[fmt] or (1, k)
     q = (torch.randn(n, k, device=DEVICE) * 64).to(torch.float8_e4m3fn)
     scale = torch.rand(-(-n // block_n), -(-k // block_k), device=DEVICE) * 1e-3
