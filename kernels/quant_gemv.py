@@ -51,10 +51,11 @@ QUANT_GEMV_FASTER_ROWS = 2
 TENSOR_CORES = os.environ.get("KERNELS_QUANT_GEMV_TC", "1") != "0"
 # From this many rows `quant_gemv_tc` takes the fused options in its own prologue (an H200,
 # bench/quant_gemv_tc_tune.py, 2026-11-27: the fused projections at 2 rows 161 -> 107 us a layer, at 16 rows
-# 1,031 -> 112). At one row that prologue, run on all 16 padded rows, costs more than it saves (87 against 98 us
-# a layer on the CUDA cores): ONE_ROW says what one row does instead (`KERNELS_QUANT_GEMV_ONE_ROW`, read once):
-# "split": the prologue in a launch of its own (`silu_and_mul`, `rms_norm`) and the plain tensor-core GEMV;
-# "fused": the tensor-core GEMV with its prologue; "cuda": the CUDA-core GEMV, fused (a gate split as above).
+# 1,031 -> 112). At one row that prologue, run on all 16 padded rows, costs more than it saves: ONE_ROW says what
+# one row does instead (`KERNELS_QUANT_GEMV_ONE_ROW`, read once): "split" (the default): the prologue in a launch
+# of its own (`silu_and_mul`, `rms_norm`), then the plain tensor-core GEMV; "fused": the tensor-core GEMV with its
+# prologue; "cuda": the CUDA-core GEMV, fused. Served int4 batch 1 on an H200 (weights in row tiles, 2026-11-27):
+# split 346.3 tok/s, cuda 323.7, fused 263.6 (bench/results/h200-2026-11-27).
 TENSOR_CORE_ROWS = 2
 ONE_ROW = os.environ.get("KERNELS_QUANT_GEMV_ONE_ROW", "split")
 if ONE_ROW not in ("split", "fused", "cuda"):

@@ -18,6 +18,7 @@ from kernels.quant_layout import (
     with_row_tiles,
 )
 from kernels.quant_widen import widen
+from tests.kernels.kernel_testlib import DEVICE
 from tests.kernels.test_kernel_quant_gemm import fused_case, random_packed
 
 # (N, K) -> the tile rows with_row_tiles picks: 128 where it divides N, else 64
@@ -77,7 +78,7 @@ def test_tensor_core_gemv_reads_tiles(shape, num_rows, split_k, variant):
 def test_cuda_core_gemv_reads_tiles(num_rows):
     n, k = 256, 384
     w, tiled = _tiled_pair(n, k, zeros=True, perm=True, seed=5)
-    x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(DEVICE)
     for block_k in (128, 512):  # one tile a K step, and four
         outs = [quant_gemv(x, v, block_k=block_k, block_n=None) for v in (w, tiled)]
         assert torch.equal(outs[0], outs[1]), block_k
@@ -89,6 +90,6 @@ def test_gemm_and_widen_read_tiles(dtype):
     prefill chunks."""
     n, k = 192, 512
     w, tiled = _tiled_pair(n, k, zeros=True, perm=False, seed=7)
-    x = torch.randn(20, k, generator=torch.Generator().manual_seed(8)).to(dtype)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(8)).to(dtype).to(DEVICE)
     assert torch.equal(quant_gemm(x, w), quant_gemm(x, tiled))
     assert torch.equal(widen(w, dtype), widen(tiled, dtype))
