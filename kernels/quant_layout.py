@@ -133,12 +133,6 @@ def pack_int(codes: torch.Tensor, bits: int, group_size: int, scales: torch.Tens
                            perm=None if perm is None else perm.to(torch.int32).contiguous())
 
 
-def _tile_view(qs: torch.Tensor, tile_n: int) -> torch.Tensor:
-    """Row-major qs [N, K/2] as [N / tile_n, tile_n, K / 128, 64] (permute (0, 2, 1, 3) for the tiles' order)."""
-    n, kb = qs.shape
-    return qs.view(n // tile_n, tile_n, kb // TILE_BYTES, TILE_BYTES)
-
-
 def with_row_tiles(w: IntPackedWeight) -> IntPackedWeight:
     """w with `qs` in the tiled layout (module docstring) where it takes one (4-bit codes, N a multiple of 64, K
     of 128), else w itself. Every GPU kernel reads either layout."""
@@ -146,7 +140,8 @@ def with_row_tiles(w: IntPackedWeight) -> IntPackedWeight:
     tile_n = next((t for t in TILE_ROWS if n % t == 0), 0)
     if w.tile_n or w.bits != 4 or not tile_n or k % (2 * TILE_BYTES):
         return w
-    qs = _tile_view(w.qs, tile_n).permute(0, 2, 1, 3).contiguous().view(n, k // 2)
+    rows = w.qs.view(n // tile_n, tile_n, k // 2 // TILE_BYTES, TILE_BYTES)  # [row band, row, tile, byte]
+    qs = rows.permute(0, 2, 1, 3).contiguous().view(n, k // 2)
     return IntPackedWeight(**{**w.__dict__, "qs": qs, "tile_n": tile_n})
 
 
@@ -155,7 +150,7 @@ def row_major_qs(w: IntPackedWeight) -> torch.Tensor:
     if not w.tile_n:
         return w.qs
     n, kb = w.qs.shape
-    tiles = w.qs.view(n // w.tile_n, kb // TILE_BYTES, w.tile_n, TILE_BYTES)
+    tiles = w.qs.view(n // w.tile_n, kb // TILE_BYTES, w.tile_n, TILE_BYTES)  # [row band, tile, row, byte]
     return tiles.permute(0, 2, 1, 3).contiguous().view(n, kb)
 
 
