@@ -5,6 +5,9 @@
 2. The real kernel (plain, one row) on the row-major layout against the row tiles (`with_row_tiles`).
 Results of 2026-11-27 (H200): bench/results/h200-2026-11-27/tc_gemv_probe.json.
 Weights rotated over > 256 MB. Prints JSON lines.
+
+Usage: python bench/tc_gemv_probe.py OUT.json        (GPU, ~30 s)
+       ncu --kernel-name regex:_quant_gemv_tc_kernel --launch-skip 1|4 --launch-count 1 python bench/tc_gemv_probe.py --ncu
 """
 from __future__ import annotations
 
@@ -18,29 +21,10 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from gpu_common import graph_seconds  # noqa: E402
 
 from kernels.quant_gemv_tc import quant_gemv_tc, quant_gemv_tc_config  # noqa: E402
 from kernels.quant_layout import IntPackedWeight, with_row_tiles  # noqa: E402
-
-
-def graph_seconds(fn, reps: int = 20) -> float:
-    """Median seconds of fn() replayed as a CUDA graph (bench/gpu_common.py's, without its engine imports)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[reps // 2]
-
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 
