@@ -7,7 +7,8 @@ Results of 2026-11-27 (H200): bench/results/h200-2026-11-27/tc_gemv_probe.json.
 Weights rotated over > 256 MB. Prints JSON lines.
 
 Usage: python bench/tc_gemv_probe.py OUT.json        (GPU, ~30 s)
-       ncu --kernel-name regex:_quant_gemv_tc_kernel --launch-skip 1|4 --launch-count 1 python bench/tc_gemv_probe.py --ncu
+       ncu --kernel-name regex:_quant_gemv_tc_kernel --launch-skip 1|4 --launch-count 1 \
+           python bench/tc_gemv_probe.py --ncu          (row-major | row tiles)
 """
 from __future__ import annotations
 
