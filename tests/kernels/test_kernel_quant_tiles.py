@@ -74,10 +74,17 @@ def test_tensor_core_gemv_reads_tiles(shape, num_rows, split_k, variant):
     assert torch.equal(outs[0], outs[1])
 
 
+# (bits, group, zeros, offsets, act-order) as random_packed takes them: GPTQ act-order with zeros, GGUF Q4_K-like
+CUDA_CORE_VARIANTS = {"gptq_zeros_actorder": (4, 128, True, False, True), "q4_k_like": (4, 32, False, True, False)}
+
+
 @pytest.mark.parametrize("num_rows", [1, 3])
-def test_cuda_core_gemv_reads_tiles(num_rows):
+@pytest.mark.parametrize("variant", CUDA_CORE_VARIANTS)
+def test_cuda_core_gemv_reads_tiles(num_rows, variant):
     n, k = 256, 384
-    w, tiled = _tiled_pair(n, k, zeros=True, perm=True, seed=5)
+    w = random_packed(n, k, *CUDA_CORE_VARIANTS[variant], torch.Generator().manual_seed(5))
+    tiled = with_row_tiles(w)
+    assert tiled.tile_n == 128
     x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(DEVICE)
     for block_k in (128, 512):  # one tile a K step, and four
         outs = [quant_gemv(x, v, block_k=block_k, block_n=None) for v in (w, tiled)]
@@ -85,11 +92,13 @@ def test_cuda_core_gemv_reads_tiles(num_rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_gemm_and_widen_read_tiles(dtype):
-    """The GEMM past 16 rows (bf16: codes widened in bf16; fp32: the fp32 planes) and the widened weight of
-    prefill chunks."""
-    n, k = 192, 512
-    w, tiled = _tiled_pair(n, k, zeros=True, perm=False, seed=7)
-    x = torch.randn(20, k, generator=torch.Generator().manual_seed(8)).to(dtype).to(DEVICE)
+@pytest.mark.parametrize("variant", CUDA_CORE_VARIANTS)
+def test_gemm_and_widen_read_tiles(dtype, variant):
+    """The GEMM past 16 rows (bf16 without offsets: codes widened in bf16; else the fp32 planes) and the widened
+    weight of prefill chunks."""
+    w = random_packed(192, 512, *CUDA_CORE_VARIANTS[variant], torch.Generator().manual_seed(7))
+    tiled = with_row_tiles(w)
+    assert tiled.tile_n == 64
+    x = torch.randn(20, 512, generator=torch.Generator().manual_seed(8)).to(dtype).to(DEVICE)
     assert torch.equal(quant_gemm(x, w), quant_gemm(x, tiled))
     assert torch.equal(widen(w, dtype), widen(tiled, dtype))
