@@ -80,6 +80,7 @@ SMOKE_SHAPES = {"hidden_size": 128, "intermediate_size": 256, "num_attention_hea
 INT_LAYOUTS = {"int4_gptq_g128": (4, 128, torch.float16, False, False),
                "int4_awq_g128": (4, 128, torch.float16, True, False),
                "q4_k": (4, 32, torch.float32, False, True),
+               "q4_0": (4, 32, torch.float16, False, False),
                "q8_0": (8, 32, torch.float16, False, False)}
 FP8_LAYOUTS = {"fp8_channel": None, "fp8_block128": (128, 128)}
 FORMATS = ["bf16", *INT_LAYOUTS, *FP8_LAYOUTS]

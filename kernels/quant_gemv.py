@@ -175,12 +175,15 @@ def quant_gemv(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = 
     if block_n is None and block_k is None and num_warps is None and on_tensor_cores(w, x):
         if x.shape[0] >= TENSOR_CORE_ROWS or ONE_ROW == "fused":
             return quant_gemv_tc(x, w, bias, gated=gated, norm_weight=norm_weight, eps=eps, residual=residual, out=out)
-        if gated:  # one row: the gate in its own launch, the product on the tensor cores (ONE_ROW's note)
-            return quant_gemv_tc(silu_and_mul(x), w, bias, residual=residual, out=out)
-        if ONE_ROW == "split":
-            if norm_weight is not None:
-                x = rms_norm(x, norm_weight, eps)
-            return quant_gemv_tc(x, w, bias, residual=residual, out=out)
+        # NOTE: groups of 32 and offsets (GGUF Q4_0 / Q4_1 / Q4_K) cost the tensor-core GEMV ~1.5-2x the instructions
+        # a weight of groups of 128: at one row the CUDA cores do as well
+        if w.group_size >= 64 and w.offsets is None:
+            if gated:  # one row: the gate in its own launch, the product on the tensor cores (ONE_ROW's note)
+                return quant_gemv_tc(silu_and_mul(x), w, bias, residual=residual, out=out)
+            if ONE_ROW == "split":
+                if norm_weight is not None:
+                    x = rms_norm(x, norm_weight, eps)
+                return quant_gemv_tc(x, w, bias, residual=residual, out=out)
     num_rows = x.shape[0]
     n, k = w.shape
     if out is None:
