@@ -14,9 +14,11 @@ loop against 6.3):
   MAGIC + q exactly, no conversion instruction;
 - the zero (constant or per group) is subtracted in packed half-precision, two weights an instruction:
   MAGIC + q - (MAGIC + z) is q - z exactly;
-- products of 16-bit values are exact in the fp32 accumulator; each group's sum is scaled once
-  (the K tile never spans two groups). So results equal dequantize-then-matmul up to fp32 summation
-  order.
+- products of 16-bit values are exact in the fp32 accumulator; each group's sum is scaled once (a K
+  tile of 128 columns steps through sub-tiles of one group each: one for groups of 128, four for GGUF
+  Q4_0's 32). So results equal dequantize-then-matmul up to fp32 summation order;
+- the codes may sit in row tiles (`quant_layout.with_row_tiles`, what the loader does on the GPU): a
+  program's K step then reads one contiguous run.
 
 Narrow layers split K over several programs (`SPLIT_K`): each writes its fp32 partial to a workspace,
 and the program that finishes a column tile last (a counter, acquire-release) sums the partials in a
@@ -47,7 +49,6 @@ from kernels._common import (
 from kernels.quant_layout import IntPackedWeight, _magic_plus
 
 MAX_ROWS = 16  # x^T padded to the MMA's smallest N
-MAX_OFFSET_GROUP = 256  # the widest group whose sums of x `_group_sums_kernel` takes in one tile
 PAD_ROWS = tl.constexpr(MAX_ROWS)
 
 
@@ -107,12 +108,12 @@ def _x_planes(x_ptr, nw_ptr, perm_ptr, cols, offs_m, M, K, stride_xm, squares,
 
 
 @triton.jit
-def _sub_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, o_ptr, sum_ptr, rows, c0, offs_m, M, K, stride_s,
-              stride_sum, stride_xm, squares, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
-              HAS_OFFSETS: tl.constexpr, HAS_PERM: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-              BLOCK_N: tl.constexpr, SUB_K: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr):
+def _sub_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, c0, offs_m, M, K, stride_s, stride_xm, squares,
+              GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+              GATED: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, SUB_K: tl.constexpr,
+              MAGIC: tl.constexpr, ACT: tl.constexpr):
     """Columns c0 .. c0 + SUB_K (inside one group) of rows `rows`, their bytes at `q_at` [BN, SUB_K/2]:
-    (scale * sum(x * (q - z)) (+ offset * sum(x)) fp32 [BN, 16], squares)."""
+    (scale * sum(x * (q - z)) fp32 [BN, 16], squares)."""
     b = tl.arange(0, SUB_K // 2)
     plane_cols = (b // 16) * 32 + b % 16  # plane lo's columns; plane hi's are 16 further
     byte = tl.load(q_at)  # [BN, SUB_K/2] uint8
@@ -128,50 +129,25 @@ def _sub_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, o_ptr, sum_ptr, rows,
         zero = tl.full((BLOCK_N, 1), MAGIC + ZERO, ACT)
     part = mma(_minus(w_lo, zero), x_lo, tl.zeros((BLOCK_N, PAD_ROWS), dtype=tl.float32), "tf32", _INTERPRETED)
     part = mma(_minus(w_hi, zero), x_hi, part, "tf32", _INTERPRETED)
-    part = part * tl.load(s_ptr + rows * stride_s + group).to(tl.float32)[:, None]
-    if HAS_OFFSETS:  # the group's sum of x (the prologue's, as rounded for the MMA) from `_group_sums_kernel`
-        sums = tl.load(sum_ptr + offs_m * stride_sum + group, mask=offs_m < M, other=0.0)  # [16]
-        part += tl.load(o_ptr + rows * stride_s + group).to(tl.float32)[:, None] * sums[None, :]
-    return part, squares
+    return part * tl.load(s_ptr + rows * stride_s + group).to(tl.float32)[:, None], squares
 
 
 @triton.jit
-def _k_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, o_ptr, sum_ptr, rows, k0, offs_m, M, K, stride_s,
-            stride_sum, stride_xm, squares, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
-            HAS_OFFSETS: tl.constexpr, HAS_PERM: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, MAGIC: tl.constexpr,
-            ACT: tl.constexpr):
+def _k_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, k0, offs_m, M, K, stride_s, stride_xm, squares,
+            GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+            GATED: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            SUB_K: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr):
     """Columns k0 .. k0 + BLOCK_K of rows `rows` in sub-tiles of SUB_K columns, each inside one group (groups of 32
     take four a 128-wide tile): (their scaled sums fp32 [BN, 16], squares)."""
-    acc, squares = _sub_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, o_ptr, sum_ptr, rows, k0, offs_m, M, K,
-                             stride_s, stride_sum, stride_xm, squares, GROUP, ZERO, HAS_ZEROS, HAS_OFFSETS,
-                             HAS_PERM, GATED, NORM, BLOCK_N, SUB_K, MAGIC, ACT)
+    acc, squares = _sub_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, k0, offs_m, M, K, stride_s,
+                             stride_xm, squares, GROUP, ZERO, HAS_ZEROS, HAS_PERM, GATED, NORM, BLOCK_N, SUB_K,
+                             MAGIC, ACT)
     for j in tl.static_range(1, BLOCK_K // SUB_K):
-        part, squares = _sub_tile(x_ptr, perm_ptr, nw_ptr, q_at + j * (SUB_K // 2), s_ptr, z_ptr, o_ptr, sum_ptr,
-                                  rows, k0 + j * SUB_K, offs_m, M, K, stride_s, stride_sum, stride_xm, squares,
-                                  GROUP, ZERO, HAS_ZEROS, HAS_OFFSETS, HAS_PERM, GATED, NORM, BLOCK_N, SUB_K,
-                                  MAGIC, ACT)
+        part, squares = _sub_tile(x_ptr, perm_ptr, nw_ptr, q_at + j * (SUB_K // 2), s_ptr, z_ptr, rows,
+                                  k0 + j * SUB_K, offs_m, M, K, stride_s, stride_xm, squares, GROUP, ZERO, HAS_ZEROS,
+                                  HAS_PERM, GATED, NORM, BLOCK_N, SUB_K, MAGIC, ACT)
         acc += part
     return acc, squares
-
-
-@triton.jit
-def _group_sums_kernel(x_ptr, nw_ptr, out_ptr, K, stride_xm, stride_om, GROUP: tl.constexpr,
-                       BLOCK_G: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr):
-    """out[m, g] = the sum over group g's columns of row m of x through the fused prologue, each value rounded to
-    x's dtype as the tensor-core GEMV's MMA takes it (`_x_planes`): the offsets' term, offset * sum(x)."""
-    m = tl.program_id(0)
-    groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [BLOCK_G, GROUP]
-    mask = groups[:, None] < K // GROUP
-    at = x_ptr + m.to(tl.int64) * stride_xm + cols
-    x = tl.load(at, mask=mask, other=0.0).to(tl.float32)
-    if GATED:
-        x = x * tl.sigmoid(x) * tl.load(at + K, mask=mask, other=0.0).to(tl.float32)
-    if NORM:
-        x = x * tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    x = cast(x, x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + groups, tl.sum(x, axis=1), mask=groups < K // GROUP)
 
 
 @triton.jit
@@ -184,11 +160,9 @@ def _quant_gemv_tc_kernel(
     y_ptr,  # [M, N]
     ws_ptr,  # [SPLIT_K, 16, N] fp32 partials (zero), or any pointer when SPLIT_K == 1
     count_ptr,  # [cdiv(N, BLOCK_N)] int32 arrivals (zero), or any pointer when SPLIT_K == 1
-    qs_ptr, s_ptr, z_ptr, o_ptr, stride_qs, stride_s,  # the packed weight (4-bit codes)
-    sum_ptr,  # [M, K / GROUP] fp32 group sums of x (`_group_sums_kernel`), or any pointer when not HAS_OFFSETS
-    M, N, K, eps, stride_xm, stride_rm, stride_ym, stride_sum,
-    GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-    HAS_PERM: tl.constexpr,
+    qs_ptr, s_ptr, z_ptr, stride_qs, stride_s,  # the packed weight (4-bit codes, no offsets)
+    M, N, K, eps, stride_xm, stride_rm, stride_ym,
+    GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_PDL: tl.constexpr, TILE_N: tl.constexpr,
@@ -217,9 +191,9 @@ def _quant_gemv_tc_kernel(
             q_at = qs_ptr + q_rows[:, None] + (k0 // 128) * (TILE_N * 64) + b[None, :]
         else:  # BLOCK_K < 128: a K step stays inside one tile
             q_at = qs_ptr + q_rows[:, None] + (k0 // 128) * (TILE_N * 64) + (k0 // 2) % 64 + b[None, :]
-        part, squares = _k_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, o_ptr, sum_ptr, rows, k0, offs_m, M,
-                                K, stride_s, stride_sum, stride_xm, squares, GROUP, ZERO, HAS_ZEROS, HAS_OFFSETS,
-                                HAS_PERM, GATED, NORM, BLOCK_N, BLOCK_K, SUB_K, MAGIC, ACT)
+        part, squares = _k_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, k0, offs_m, M, K, stride_s,
+                                stride_xm, squares, GROUP, ZERO, HAS_ZEROS, HAS_PERM, GATED, NORM, BLOCK_N,
+                                BLOCK_K, SUB_K, MAGIC, ACT)
         acc += part
     ws_at = offs_m[None, :] * N + offs_n[:, None]  # [BN, 16] in one split's [16, N] slab
     if SPLIT_K > 1:
@@ -287,14 +261,14 @@ def _finish(acc, squares, b_ptr, r_ptr, y_ptr, offs_n, n_mask, offs_m, M, K, eps
 
 
 def takes_tensor_cores(w: IntPackedWeight, x: torch.Tensor) -> bool:
-    """Whether `quant_gemv_tc` takes this weight and input: 4-bit codes in groups of 32 columns or more (a K
-    sub-tile never spans two), with offsets only in groups of up to MAX_OFFSET_GROUP and no act-order, fp16 / bf16
-    activations on a GPU with bf16 MMA (or the interpreter)."""
+    """Whether `quant_gemv_tc` takes this weight and input: 4-bit codes without offsets in groups of 32 columns
+    or more (a K sub-tile never spans two), fp16 / bf16 activations on a GPU with bf16 MMA (or the interpreter).
+
+    NOTE: offsets (GGUF Q4_1, Q4_K: w = scale * q + offset) were taken with each group's sum of x from a small
+    kernel and measured slower than the GEMM at 16 rows (H100, all layers: Q4_K 7.60 against 6.47 ms)."""
     n, k = w.shape
-    return (w.bits == 4 and x.dtype in (torch.float16, torch.bfloat16)
+    return (w.bits == 4 and w.offsets is None and x.dtype in (torch.float16, torch.bfloat16)
             and w.group_size >= 32 and k % 32 == 0 and (w.group_size == k or w.group_size % 32 == 0)
-            and (w.offsets is None or (w.perm is None and w.group_size <= MAX_OFFSET_GROUP
-                                       and w.group_size & (w.group_size - 1) == 0))
             and (is_interpreter() or (x.is_cuda and compute_capability(x.device) >= (8, 0))))
 
 
@@ -350,29 +324,17 @@ def quant_gemv_tc(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None
     block_n, block_k = block_n or tiles["block_n"], min(block_k or tiles["block_k"], tiles["block_k"])
     sub_k = min(block_k, tiles["sub_k"])
     split = split_k or tiles["split_k"]
-    sums = _group_sums(x, w, gated, norm_weight) if w.offsets is not None else out
     ws, counts = _workspace(x.device, split * MAX_ROWS * n, triton.cdiv(n, block_n)) if split > 1 else (x, x)
     opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"],
                                         "num_stages": num_stages or tiles["num_stages"]}
     _quant_gemv_tc_kernel[(triton.cdiv(n, block_n), split)](
         x, w.perm if w.perm is not None else x, bias if bias is not None else x,
         norm_weight if norm_weight is not None else x, residual if residual is not None else x, out, ws, counts,
-        w.qs, w.scales, w.zeros if w.zeros is not None else w.scales,
-        w.offsets if w.offsets is not None else w.scales, w.qs.stride(0), w.scales.stride(0), sums,
+        w.qs, w.scales, w.zeros if w.zeros is not None else w.scales, w.qs.stride(0), w.scales.stride(0),
         num_rows, n, k, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-        sums.stride(0), GROUP=w.group_size, ZERO=float(w.zero), HAS_ZEROS=w.zeros is not None,
-        HAS_OFFSETS=w.offsets is not None, HAS_PERM=w.perm is not None, HAS_BIAS=bias is not None, GATED=gated,
-        NORM=norm_weight is not None, RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k,
-        SPLIT_K=split, TILE_N=w.tile_n, **opts, **pdl_args(x.device))
+        GROUP=w.group_size, ZERO=float(w.zero), HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None,
+        HAS_BIAS=bias is not None, GATED=gated, NORM=norm_weight is not None, RESIDUAL=residual is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k, SPLIT_K=split, TILE_N=w.tile_n, **opts,
+        **pdl_args(x.device))
     return out
 
-
-def _group_sums(x: torch.Tensor, w: IntPackedWeight, gated: bool, norm_weight: torch.Tensor | None) -> torch.Tensor:
-    """[M, K / group] fp32: each group's sum of x through the fused prologue (`_group_sums_kernel`)."""
-    k, group = w.shape[1], w.group_size
-    sums = torch.empty((x.shape[0], k // group), dtype=torch.float32, device=x.device)
-    block_g = triton.next_power_of_2(max(1, 2048 // group))
-    _group_sums_kernel[(x.shape[0], triton.cdiv(k // group, block_g))](
-        x, norm_weight if norm_weight is not None else x, sums, k, x.stride(0), sums.stride(0), GROUP=group,
-        BLOCK_G=block_g, GATED=gated, NORM=norm_weight is not None)
-    return sums

@@ -21,8 +21,7 @@ VARIANTS = {
     "awq_g128": (4, 128, True, False, False),
     "int4_per_channel": (4, None, False, False, False),
     "q4_0_g32": (4, 32, False, False, False),  # GGUF Q4_0: four groups a K tile
-    "q4_k_g32_offsets": (4, 32, False, True, False),  # GGUF Q4_1 / Q4_K: w = scale * q + offset
-    "awq_g64_offsets": (4, 64, True, True, False),
+    "awq_g64": (4, 64, True, False, False),  # two
 }
 SHAPES = [(4096, 4096), (1000, 14336)] if ON_GPU else [(72, 512), (40, 384)]
 # the output's rounding alone: half an ulp of bf16 / fp16, relative, with room for fp32 summation order
@@ -47,12 +46,12 @@ def test_matches_dequantized_reference(variant, dtype, num_rows, split_k):
 
 @pytest.mark.parametrize("variant", ["gated_residual", "norm", "bias_norm_residual"])
 @pytest.mark.parametrize("num_rows,split_k", [(1, 1), (1, 4), (16, 2)])
-@pytest.mark.parametrize("offsets", [False, True], ids=["gptq", "q4_k"])
-def test_fused_decoder_options(variant, num_rows, split_k, offsets):
+@pytest.mark.parametrize("groups", [128, 32])
+def test_fused_decoder_options(variant, num_rows, split_k, groups):
     """down (gated, residual), qkv / gate_up (norm, bias), o (residual); the norm's sums cover all of K when
-    K is split; with offsets, the groups' sums of x go through the same prologue."""
+    K is split; groups of 32 step through four sub-tiles a K tile."""
     gen = torch.Generator().manual_seed(num_rows + 3 * len(variant) + split_k)
-    weight = "q4_k_g32_offsets" if offsets else "gptq_g128_actorder" if "norm" in variant else "gptq_g128_sym"
+    weight = "q4_0_g32" if groups == 32 else "gptq_g128_actorder" if "norm" in variant else "gptq_g128_sym"
     for n, k in SHAPES:
         w = random_packed(n, k, *VARIANTS[weight], gen)
         x, bias, norm_w, res, gated = fused_case(variant, num_rows, n, k, gen)
@@ -82,9 +81,9 @@ def test_takes_only_what_it_computes_exactly():
     x = torch.randn(1, 256, generator=gen).to(torch.bfloat16).to(DEVICE)
     assert takes_tensor_cores(random_packed(8, 256, 4, 128, False, False, False, gen), x)
     assert not takes_tensor_cores(random_packed(8, 256, 4, 128, False, False, False, gen), x.float())
-    assert takes_tensor_cores(random_packed(8, 256, 4, 32, False, True, False, gen), x)  # Q4_K-like
+    assert takes_tensor_cores(random_packed(8, 256, 4, 32, False, False, False, gen), x)  # Q4_0
     assert not takes_tensor_cores(random_packed(8, 256, 4, 16, False, False, False, gen), x)  # groups of 16
-    assert not takes_tensor_cores(random_packed(8, 256, 4, 32, False, True, True, gen), x)  # offsets + act-order
+    assert not takes_tensor_cores(random_packed(8, 256, 4, 32, False, True, False, gen), x)  # offsets (Q4_K)
     assert not takes_tensor_cores(random_packed(8, 256, 8, 128, False, False, False, gen), x)  # 8-bit codes
 
 
@@ -124,13 +123,13 @@ def test_one_normed_row_takes_the_route_asked_for(one_row, monkeypatch):
 
 
 @pytest.mark.parametrize("num_rows", [1, 2])
-def test_groups_of_32_with_offsets_take_the_tensor_cores_from_two_rows(num_rows, monkeypatch):
-    """GGUF Q4_K-like weights (groups of 32, offsets): one row stays on the CUDA cores (as cheap there), two rows
-    (fused: the groups' sums through the norm prologue) go to the tensor cores."""
+def test_groups_of_32_take_the_tensor_cores_from_two_rows(num_rows, monkeypatch):
+    """GGUF Q4_0-like weights (groups of 32): one row stays on the CUDA cores (as cheap there), two fused rows go
+    to the tensor cores."""
     monkeypatch.setattr("kernels.quant_gemv.ONE_ROW", "split")
     gen = torch.Generator().manual_seed(12)
     n, k = SHAPES[0]
-    w = random_packed(n, k, *VARIANTS["q4_k_g32_offsets"], gen)
+    w = random_packed(n, k, *VARIANTS["q4_0_g32"], gen)
     x, bias, norm_w, res, _ = fused_case("norm_residual", num_rows, n, k, gen)
     out = quant_matmul(x, w, bias, norm_weight=norm_w, eps=1e-5, residual=res)
     on_cuda_cores = quant_gemv(x, w, bias, norm_weight=norm_w, eps=1e-5, residual=res, block_k=1024)
