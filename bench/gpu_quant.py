@@ -70,7 +70,8 @@ from kernels.fp8_gemm import Fp8Weight, fp8_linear, fp8_quantized_matmul
 from kernels.fp8_gemv import fp8_gemv
 from kernels.quant_gemm import quant_gemm, quant_matmul
 from kernels.quant_gemv import quant_gemv
-from kernels.quant_layout import IntPackedWeight, with_row_tiles
+from kernels.quant_layout import IntPackedWeight
+from kernels.quant_tiles import with_row_tiles
 
 DEVICE = torch.device("cpu" if ARGS.smoke else "cuda")
 BF16 = torch.bfloat16

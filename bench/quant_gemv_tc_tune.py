@@ -31,7 +31,8 @@ from kernels.norm import rms_norm  # noqa: E402
 from kernels.quant_gemm import quant_gemm  # noqa: E402
 from kernels.quant_gemv import quant_gemv  # noqa: E402
 from kernels.quant_gemv_tc import quant_gemv_tc, quant_gemv_tc_config  # noqa: E402
-from kernels.quant_layout import IntPackedWeight, with_row_tiles  # noqa: E402
+from kernels.quant_layout import IntPackedWeight  # noqa: E402
+from kernels.quant_tiles import with_row_tiles  # noqa: E402
 
 PROJECTIONS = [("qkv", 6144, 4096, ("norm",)), ("o", 4096, 4096, ("residual",)),
                ("gate_up", 28672, 4096, ("norm",)), ("down", 4096, 14336, ("gated", "residual"))]

@@ -25,7 +25,8 @@ import triton.language as tl  # noqa: E402
 from gpu_common import graph_seconds  # noqa: E402
 
 from kernels.quant_gemv_tc import quant_gemv_tc, quant_gemv_tc_config  # noqa: E402
-from kernels.quant_layout import IntPackedWeight, with_row_tiles  # noqa: E402
+from kernels.quant_layout import IntPackedWeight  # noqa: E402
+from kernels.quant_tiles import with_row_tiles  # noqa: E402
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 

@@ -17,7 +17,7 @@ loop against 6.3):
 - products of 16-bit values are exact in the fp32 accumulator; each group's sum is scaled once (a K
   tile of 128 columns steps through sub-tiles of one group each: one for groups of 128, four for GGUF
   Q4_0's 32). So results equal dequantize-then-matmul up to fp32 summation order;
-- the codes may sit in row tiles (`quant_layout.with_row_tiles`, what the loader does on the GPU): a
+- the codes may sit in row tiles (`quant_tiles.with_row_tiles`, what the loader does on the GPU): a
   program's K step then reads one contiguous run.
 
 Narrow layers split K over several programs (`SPLIT_K`): each writes its fp32 partial to a workspace,
@@ -180,10 +180,10 @@ def _quant_gemv_tc_kernel(
     squares = tl.zeros((PAD_ROWS,), dtype=tl.float32)
     k_split = tl.cdiv(K // BLOCK_K, SPLIT_K) * BLOCK_K  # K is a multiple of BLOCK_K
     k_begin = tl.multiple_of(tl.program_id(1) * k_split, BLOCK_K)
-    if TILE_N == 0:  # the byte offset of each row's K step 0 (`quant_layout.qs_offsets`, hoisted)
+    if TILE_N == 0:  # the byte offset of each row's K step 0 (`quant_tiles.qs_offsets`, hoisted)
         q_rows = rows * stride_qs
     else:
-        q_rows = (rows // TILE_N) * (TILE_N * stride_qs) + (rows % TILE_N) * 64  # 64: quant_layout.TILE_BYTES
+        q_rows = (rows // TILE_N) * (TILE_N * stride_qs) + (rows % TILE_N) * 64  # 64: quant_tiles.TILE_BYTES
     for k0 in range(k_begin, tl.minimum(k_begin + k_split, K), BLOCK_K):
         if TILE_N == 0:
             q_at = qs_ptr + q_rows[:, None] + (k0 // 2 + b)[None, :]

@@ -16,11 +16,7 @@ so `dequantize_int` is bit-exact against the `gguf` package. q is an unsigned co
   so it stays exact), `zeros` [N, K / G] uint8 or one constant `zero`, `offsets` [N, K / G] or none.
 - `perm` [K] int32 or none: packed column k multiplies x[:, perm[k]] (GPTQ act-order: columns sorted by
   group at load so every group is contiguous, and the activations gathered instead).
-- `tile_n` (4-bit codes without `qh`, on the GPU; `with_row_tiles`): 0 keeps `qs` row-major; else the same
-  bytes in tiles of `tile_n` rows x 64 bytes (128 columns), each contiguous, tiles of a row band in K order:
-  [N / tile_n, K / 128, tile_n, 64], still shaped [N, K / 2]. One K step of a decode GEMV program is then one
-  contiguous run instead of `tile_n` runs of 64 bytes 2 KB apart, which DRAM serves faster (an H200 streaming
-  Llama-3-8B's gate_up that way: 2.6-3.5 against 1.9-2.8 TB/s; the tensor-core GEMV at one row 36.3 -> 26.6 us).
+- `tile_n`: 0, or `qs` in row tiles of that many rows (`kernels.quant_tiles`, what the GPU loader stores).
 """
 
 from __future__ import annotations
@@ -32,11 +28,9 @@ import triton
 import triton.language as tl
 
 from kernels._common import _INTERPRETED, cast
+from kernels.quant_tiles import TILE_BYTES, TILE_ROWS, qs_offsets, row_major_qs
 
 NIBBLE_SPAN = 32  # columns sharing one run of 16 bytes (byte j: columns j and j + 16)
-TILE_BYTES = 64  # a row's bytes in one tile of the tiled layout (128 columns)
-TILE_ROWS = (128, 64)  # the tiled layout's row counts, the first that divides N taken
-_TILE_BYTES = tl.constexpr(TILE_BYTES)
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -133,27 +127,6 @@ def pack_int(codes: torch.Tensor, bits: int, group_size: int, scales: torch.Tens
                            perm=None if perm is None else perm.to(torch.int32).contiguous())
 
 
-def with_row_tiles(w: IntPackedWeight) -> IntPackedWeight:
-    """w with `qs` in the tiled layout (module docstring) where it takes one (4-bit codes, N a multiple of 64, K
-    of 128), else w itself. Every GPU kernel reads either layout."""
-    n, k = w.shape
-    tile_n = next((t for t in TILE_ROWS if n % t == 0), 0)
-    if w.tile_n or w.bits != 4 or not tile_n or k % (2 * TILE_BYTES):
-        return w
-    rows = w.qs.view(n // tile_n, tile_n, k // 2 // TILE_BYTES, TILE_BYTES)  # [row band, row, tile, byte]
-    qs = rows.permute(0, 2, 1, 3).contiguous().view(n, k // 2)
-    return IntPackedWeight(**{**w.__dict__, "qs": qs, "tile_n": tile_n})
-
-
-def row_major_qs(w: IntPackedWeight) -> torch.Tensor:
-    """`qs` as the row-major [N, K/2] (or [N, K]) bytes whatever the layout."""
-    if not w.tile_n:
-        return w.qs
-    n, kb = w.qs.shape
-    tiles = w.qs.view(n // w.tile_n, kb // TILE_BYTES, w.tile_n, TILE_BYTES)  # [row band, tile, row, byte]
-    return tiles.permute(0, 2, 1, 3).contiguous().view(n, kb)
-
-
 def unpack_codes(w: IntPackedWeight) -> torch.Tensor:
     """The codes q [N, K] int32 in packed column order (the inverse of `pack_int`)."""
     n, k = w.shape
@@ -201,17 +174,6 @@ def quant_matmul_ref(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | N
 FLOAT_MAGIC = tl.constexpr(0x4B000000)  # the bits of 2.0 ** 23: OR-ing in an integer below 2**23 adds it
 MAGIC_VALUE = tl.constexpr(8388608.0)  # 2.0 ** 23
 UNIT_SCALE = tl.constexpr(16.0)  # a nibble in the top of the mantissa of 1.0 is the float 1 + q / UNIT_SCALE
-
-
-@triton.jit
-def qs_offsets(rows, byte_cols, stride_qs, TILE_N: tl.constexpr):
-    """Offsets of bytes `byte_cols` [1, C] of rows `rows` [R, 1] (int64) in `qs` of either layout (TILE_N 0:
-    row-major with rows `stride_qs` bytes apart; else tiles of TILE_N rows x 64 bytes, stride_qs = K / 2)."""
-    if TILE_N == 0:
-        return rows * stride_qs + byte_cols
-    else:
-        return ((rows // TILE_N) * (TILE_N * stride_qs) + (byte_cols // _TILE_BYTES) * (TILE_N * _TILE_BYTES)
-                + (rows % TILE_N) * _TILE_BYTES + byte_cols % _TILE_BYTES)
 
 
 @triton.jit

@@ -28,7 +28,8 @@ from inference_service.model.quant.rows import concat_rows
 from inference_service.model.quant.summary import PackedWeight, describe_weight
 from kernels._common import is_interpreter
 from kernels.fp8_gemm import Fp8Weight
-from kernels.quant_layout import IntPackedWeight, with_row_tiles
+from kernels.quant_layout import IntPackedWeight
+from kernels.quant_tiles import with_row_tiles
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The tiled layout of 4-bit codes (`kernels.quant_layout.with_row_tiles`): the same bytes in tiles of 64 or 128
+"""The row tiles of 4-bit codes (`kernels.quant_tiles.with_row_tiles`): the same bytes in tiles of 64 or 128
 rows x 64 bytes. Every GPU kernel reads it and gives bit for bit what it gives on the row-major layout (same
 products, same summation order), so the row-major kernels' references cover it."""
 
@@ -10,13 +10,8 @@ import torch
 from kernels.quant_gemm import quant_gemm
 from kernels.quant_gemv import quant_gemv
 from kernels.quant_gemv_tc import quant_gemv_tc
-from kernels.quant_layout import (
-    IntPackedWeight,
-    dequantize_int,
-    row_major_qs,
-    unpack_codes,
-    with_row_tiles,
-)
+from kernels.quant_layout import IntPackedWeight, dequantize_int, unpack_codes
+from kernels.quant_tiles import row_major_qs, with_row_tiles
 from kernels.quant_widen import widen
 from tests.kernels.kernel_testlib import DEVICE
 from tests.kernels.test_kernel_quant_gemm import fused_case, random_packed

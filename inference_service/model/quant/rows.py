@@ -8,7 +8,8 @@ import torch
 
 from inference_service.model.quant.summary import PackedWeight
 from kernels.fp8_gemm import Fp8Weight
-from kernels.quant_layout import IntPackedWeight, row_major_qs
+from kernels.quant_layout import IntPackedWeight
+from kernels.quant_tiles import row_major_qs
 
 
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
