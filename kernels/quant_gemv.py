@@ -54,8 +54,9 @@ TENSOR_CORES = os.environ.get("KERNELS_QUANT_GEMV_TC", "1") != "0"
 # 1,031 -> 112). At one row that prologue, run on all 16 padded rows, costs more than it saves: ONE_ROW says what
 # one row does instead (`KERNELS_QUANT_GEMV_ONE_ROW`, read once): "split" (the default): the prologue in a launch
 # of its own (`silu_and_mul`, `rms_norm`), then the plain tensor-core GEMV; "fused": the tensor-core GEMV with its
-# prologue; "cuda": the CUDA-core GEMV, fused. Served int4 batch 1 on an H200 (weights in row tiles, 2026-11-27):
-# split 346.3 tok/s, cuda 323.7, fused 263.6 (bench/results/h200-2026-11-27).
+# prologue; "cuda": the CUDA-core GEMV, fused (a gated row still takes its gate apart). Served int4 batch 1 on an
+# H200 (weights in row tiles, 2026-11-27): split 346.3 tok/s, cuda 323.7, fused 263.6
+# (bench/results/h200-2026-11-27).
 TENSOR_CORE_ROWS = 2
 ONE_ROW = os.environ.get("KERNELS_QUANT_GEMV_ONE_ROW", "split")
 if ONE_ROW not in ("split", "fused", "cuda"):

@@ -187,7 +187,8 @@ def _quant_gemv_tc_kernel(
     for k0 in range(k_begin, tl.minimum(k_begin + k_split, K), BLOCK_K):
         if TILE_N == 0:
             q_at = qs_ptr + q_rows[:, None] + (k0 // 2 + b)[None, :]
-        elif BLOCK_K == 128:  # a K step is one tile (of 64 bytes a row)
+        elif BLOCK_K == 128:  # a K step is one tile (64 bytes a row); NOTE: without the `% 64` term Triton
+            # keeps the 16-byte alignment and the loads stay asynchronous copies (the general form: byte loads)
             q_at = qs_ptr + q_rows[:, None] + (k0 // 128) * (TILE_N * 64) + b[None, :]
         else:  # BLOCK_K < 128: a K step stays inside one tile
             q_at = qs_ptr + q_rows[:, None] + (k0 // 128) * (TILE_N * 64) + (k0 // 2) % 64 + b[None, :]
