@@ -7,13 +7,17 @@ engine allocates them). Llama-3-8B's attention: 32 query heads, 8 KV heads, head
 Each case is a CUDA graph of calls over disjoint inputs (kernels_bench.Bench), median time; GB/s counts the
 bytes the kernel must move (K/V read, q read, output written).
 
+The cache is laid out head-major (each KV head's page one run: `kv_cache.new_kv_cache`, the engine's layout on a
+GPU) or token-major (`--layouts head,token` times both).
+
 Usage: python bench/decode_attention_tune.py [--out DIR] [--shapes 384x1024,256x1536] [--pages random,in_order]
-       [--dtypes fp8,bf16] [--variants default,128/4/3,...]
+       [--dtypes fp8,bf16] [--variants default,128/4/3,...] [--layouts head,token]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -24,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernels_bench import BF16, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, PAGE, Bench, bench_ceilings  # noqa: E402
 
+from inference_service.engine.kv_cache import new_kv_cache  # noqa: E402
 from kernels import FP8_DTYPE, choose_num_kv_splits, paged_decode_attention  # noqa: E402
 
 # block_n/num_warps/num_stages; "default": the launcher's defaults
@@ -35,13 +40,15 @@ def parse_variant(spec: str) -> tuple[int | None, int | None, int | None]:
     return (None, None, None) if spec == "default" else tuple(map(int, spec.split("/")))
 
 
-def setup(b: Bench, batch: int, ctx: int, cache_dtype: torch.dtype, pages_in_order: bool) -> dict:
+def setup(b: Bench, batch: int, ctx: int, cache_dtype: torch.dtype, pages_in_order: bool, head_major: bool) -> dict:
     pages = -(-ctx // PAGE)
     kv_bytes = batch * ctx * NUM_KV_HEADS * HEAD_DIM * 2 * cache_dtype.itemsize
     num_sets = max(2, -(-(1 << 30) // kv_bytes))  # > 1 GiB of K/V cycled: past L2
     num_blocks = num_sets * batch * pages + 1
-    k_cache = torch.empty(num_blocks, PAGE, NUM_KV_HEADS, HEAD_DIM, dtype=BF16, device="cuda").normal_().to(cache_dtype)
-    v_cache = torch.empty_like(k_cache, dtype=BF16).normal_().to(cache_dtype)
+    shape = (num_blocks, PAGE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = (new_kv_cache(shape, cache_dtype, "cuda", head_major) for _ in range(2))
+    for cache in (k_cache, v_cache):
+        cache.copy_(torch.randn(shape, dtype=BF16, device="cuda"))
     order = torch.arange(1, num_blocks) if pages_in_order else torch.randperm(num_blocks - 1) + 1
     return {"k": k_cache, "v": v_cache, "tables": order.to(torch.int32).view(num_sets, batch, pages).cuda(),
             "seq_lens": torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
@@ -56,6 +63,8 @@ def main() -> None:
     parser.add_argument("--pages", default="random,in_order")
     parser.add_argument("--dtypes", default="fp8,bf16")
     parser.add_argument("--variants", default=VARIANTS)
+    parser.add_argument("--layouts", default="head,token", help="the cache's memory order: head (each head's page one "
+                        "run, the engine's default on a GPU), token ([tokens, heads, dim])")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     b = Bench(smoke=False)
@@ -67,10 +76,11 @@ def main() -> None:
         batch, ctx = map(int, shape.split("x"))
         for dtype_name in args.dtypes.split(","):
             cache_dtype = FP8_DTYPE if dtype_name == "fp8" else BF16
-            for pages in args.pages.split(","):
-                s = setup(b, batch, ctx, cache_dtype, pages == "in_order")
+            for pages, layout in itertools.product(args.pages.split(","), args.layouts.split(",")):
+                s = setup(b, batch, ctx, cache_dtype, pages == "in_order", layout == "head")
                 splits = choose_num_kv_splits(batch, NUM_KV_HEADS, ctx, torch.device("cuda"))
-                row = {"batch": batch, "ctx": ctx, "cache": dtype_name, "pages": pages, "splits": splits}
+                row = {"batch": batch, "ctx": ctx, "cache": dtype_name, "pages": pages, "layout": layout,
+                       "splits": splits}
                 out = torch.empty_like(s["q"])
                 for name in args.variants.split(","):
                     block_n, warps, stages = parse_variant(name)
@@ -85,7 +95,7 @@ def main() -> None:
                     except Exception as e:  # noqa: BLE001 - a tile the compiler cannot fit: say so, go on
                         row[name] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
                 results["cases"].append(row)
-                print(f"{batch}x{ctx} {dtype_name} {pages} splits={splits}: " + ", ".join(
+                print(f"{batch}x{ctx} {dtype_name} {pages} {layout} splits={splits}: " + ", ".join(
                     f"{k} {v['us']} us {v['of_copy']:.2f}" if "us" in v else f"{k} failed"
                     for k, v in row.items() if isinstance(v, dict)), flush=True)
                 del s

@@ -19,6 +19,7 @@ Usage: python bench/gpu_engine.py --out DIR [--smol SmolLM2.gguf] [--only a,b | 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
@@ -215,6 +216,8 @@ def main() -> None:
     parser.add_argument("--offline-max-num-seqs", default="",
                         help="comma-separated: one offline run each (default: 256 with the bf16 KV cache, 384 with "
                              "fp8, whose twice as many blocks hold 384 sequences of 2000 tokens without preemption)")
+    parser.add_argument("--offline-kv-layouts", default="auto",
+                        help="comma-separated --kv-cache-layout values the offline sections run in turn (A/B)")
     parser.add_argument("--offline-profile-steps", default="",
                         help="START:COUNT: torch.profiler over those engine steps of each offline run, written to "
                              "--out/offline_profile_<kv>_seqs<N> (slows the run: time it without)")
@@ -262,14 +265,15 @@ def main() -> None:
         section("ttft", gpu_perf.ttft, loaded, results)
         prompt_len, output_len = map(int, args.offline_lens.split(","))
         for name, kv_cache_dtype, default_seqs in (("offline", "auto", "256"), ("offline_fp8", "fp8", "384")):
-            for max_num_seqs in map(int, (args.offline_max_num_seqs or default_seqs).split(",")):
+            seq_counts = map(int, (args.offline_max_num_seqs or default_seqs).split(","))
+            for max_num_seqs, layout in itertools.product(seq_counts, args.offline_kv_layouts.split(",")):
                 profile = {}
                 if args.offline_profile_steps:
                     start, count = map(int, args.offline_profile_steps.split(":"))
                     profile = {"profile_dir": os.path.join(args.out, f"offline_profile_{name}_seqs{max_num_seqs}"),
                                "profile_steps": (start, count)}
                 section(name, gpu_perf.offline, loaded, results, args.offline_requests, prompt_len, output_len,
-                        kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, **profile)
+                        kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, kv_cache_layout=layout, **profile)
     print(json.dumps({**results, "errors": list(errors)}, indent=1))
 
 

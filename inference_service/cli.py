@@ -140,6 +140,10 @@ def _add_cache_and_scheduler_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp16", "float16"],
                    help="auto: the model dtype; fp8 (= fp8_e4m3): half the memory and bytes read, Triton only; "
                         "fp16 (= float16): half a float32 model's, the CPU backend only")
+    c.add_argument("--kv-cache-layout", default="auto", choices=["auto", "nhd", "hnd"],
+                   help="memory order of a cache block: hnd = each KV head's tokens contiguous (what the GPU's "
+                        "decode attention streams fastest), nhd = token by token (what the CPU kernels read); "
+                        "auto: hnd for the Triton attention backend, nhd for the CPU one")
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share KV blocks between requests with identical prompt prefixes")
     c.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
@@ -232,6 +236,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching,
             kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_layout=args.kv_cache_layout,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

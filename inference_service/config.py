@@ -27,12 +27,18 @@ class CacheConfig:
     # "auto" = the model dtype; "fp8" = e4m3 with unit scales (Triton backend only): half the bytes; "fp16" (CPU
     # backend only, as llama.cpp's default cache): half a float32 model's bytes.
     kv_cache_dtype: str = "auto"
+    # Memory order of a cache block: "hnd" = [heads, tokens, dim], each head's tokens of a block one
+    # contiguous run (what the decode attention streams fastest on a GPU); "nhd" = [tokens, heads, dim];
+    # "auto" = hnd for the Triton attention backend, nhd for the CPU one (whose kernels read tokens).
+    kv_cache_layout: str = "auto"
 
     def __post_init__(self):
         self.kv_cache_dtype = _KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         if self.kv_cache_dtype not in ("auto", "fp8", "fp16"):
             raise ValueError("--kv-cache-dtype must be auto, fp8 (fp8_e4m3) or fp16 (float16), "
                              f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_layout not in ("auto", "nhd", "hnd"):
+            raise ValueError(f"--kv-cache-layout must be auto, nhd or hnd, got {self.kv_cache_layout!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"--block-size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.kv_cache_memory_mib is not None and self.kv_cache_memory_mib <= 0:

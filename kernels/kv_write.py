@@ -209,5 +209,6 @@ def write_kv_cache_ref(
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     for src, cache, scale in ((k[keep], k_cache, k_scale), (v[keep], v_cache, v_scale)):
-        flat = cache.view(-1, cache.shape[2], cache.shape[3])
-        flat[slots] = quantize_fp8_ref(src, scale) if cache.dtype == FP8_DTYPE else src.to(cache.dtype)
+        value = quantize_fp8_ref(src, scale) if cache.dtype == FP8_DTYPE else src.to(cache.dtype)
+        page_size = cache.shape[1]
+        cache[slots // page_size, slots % page_size] = value  # either layout (token- or head-major)

@@ -36,6 +36,7 @@ import torch
 from inference_service.attention.metadata import AttentionMetadata
 from inference_service.distributed.group import TensorParallelGroup
 from inference_service.engine.cuda_graphs import GraphPhase, StepGraph, new_graph_pool
+from inference_service.engine.kv_cache import is_head_major, new_kv_cache
 
 
 class Op(IntEnum):
@@ -44,7 +45,7 @@ class Op(IntEnum):
     STOP = 3
     GRAPH = 4
 
-_HEADER = struct.Struct("<10q")
+_HEADER = struct.Struct("<11q")
 _KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]
 
 
@@ -62,10 +63,12 @@ class StepHeader:
     kv_dtype: int = 0
     max_seq_len: int = 0
     graph_phase: int = 0  # GRAPH: a `GraphPhase`
+    kv_head_major: int = 0  # rank 0's cache layout (`kv_cache.new_kv_cache`)
 
     def pack(self) -> bytes:
         return _HEADER.pack(self.op, self.num_tokens, self.num_seqs, self.block_table_width, self.cache_key,
-                            self.num_blocks, self.block_size, self.kv_dtype, self.max_seq_len, self.graph_phase)
+                            self.num_blocks, self.block_size, self.kv_dtype, self.max_seq_len, self.graph_phase,
+                            self.kv_head_major)
 
     @classmethod
     def unpack(cls, data: bytes) -> StepHeader:
@@ -133,7 +136,8 @@ class DriverModel:
 def _step_header(op: Op, num_tokens: int, kv_caches, metadata: AttentionMetadata, phase: int = 0) -> StepHeader:
     k_cache = kv_caches[0][0]
     return StepHeader(op, num_tokens, metadata.seq_lens.shape[0], metadata.block_tables.shape[1], k_cache.data_ptr(),
-                      k_cache.shape[0], k_cache.shape[1], _KV_DTYPES.index(k_cache.dtype), metadata.max_seq_len, phase)
+                      k_cache.shape[0], k_cache.shape[1], _KV_DTYPES.index(k_cache.dtype), metadata.max_seq_len, phase,
+                      int(is_head_major(k_cache)))
 
 
 def _step_tensors(input_ids, positions, metadata: AttentionMetadata) -> list[torch.Tensor]:
@@ -188,9 +192,11 @@ class WorkerLoop:
         caches = self._caches.get(h.cache_key)
         shape = self.model.kv_cache_shape(h.num_blocks, h.block_size)
         dtype = _KV_DTYPES[h.kv_dtype]
-        if caches is None or caches[0][0].shape != shape or caches[0][0].dtype != dtype:
-            caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                       torch.zeros(shape, dtype=dtype, device=self.device))
+        head_major = bool(h.kv_head_major)
+        if (caches is None or caches[0][0].shape != shape or caches[0][0].dtype != dtype
+                or is_head_major(caches[0][0]) != head_major):
+            caches = [(new_kv_cache(shape, dtype, self.device, head_major),
+                       new_kv_cache(shape, dtype, self.device, head_major))
                       for _ in range(self.model.config.num_hidden_layers)]
             self._caches[h.cache_key] = caches
         return caches

@@ -26,13 +26,16 @@ FP8_KV_DTYPE = torch.float8_e4m3fn
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """One layer's k_cache and v_cache are each [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """One layer's k_cache and v_cache are each [num_blocks, block_size, num_kv_heads, head_dim]; with
+    `head_major` that shape is a view of memory laid out [num_blocks, num_kv_heads, block_size, head_dim]
+    (`new_kv_cache`)."""
 
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    head_major: bool = False
 
     @classmethod
     def build(cls, model_config: ModelConfig, cache_config: CacheConfig, model_dtype: torch.dtype,
@@ -48,8 +51,14 @@ class KVCacheSpec:
                 raise ValueError("--kv-cache-dtype fp16 is for the CPU attention backend; this engine uses the "
                                  "Triton one (where --kv-cache-dtype fp8 halves a 16-bit cache)")
             dtype = torch.float16
+        layout = cache_config.kv_cache_layout
+        if layout == "hnd" and attention_backend != "triton":
+            raise ValueError("--kv-cache-layout hnd needs the Triton attention backend (a CUDA device, or "
+                             f"--attention-backend triton); this engine uses {attention_backend!r}, whose kernels "
+                             "read the cache token-major")
+        head_major = layout == "hnd" or (layout == "auto" and attention_backend == "triton")
         return cls(model_config.num_hidden_layers, cache_config.block_size, model_config.num_key_value_heads,
-                   model_config.head_dim, dtype)
+                   model_config.head_dim, dtype, head_major)
 
     @property
     def bytes_per_block(self) -> int:
@@ -58,6 +67,27 @@ class KVCacheSpec:
 
     def block_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
         return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def new_cache(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        """One zeroed k or v cache of `num_blocks` blocks in this spec's layout."""
+        return new_kv_cache(self.block_shape(num_blocks), self.dtype, device, self.head_major)
+
+
+def new_kv_cache(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | str,
+                 head_major: bool, memory: torch.Tensor | None = None) -> torch.Tensor:
+    """A zeroed cache of `shape` [num_blocks, block_size, Hkv, D] (or a view of `memory`, zeroed, of as many
+    elements): token-major as the shape says, or head-major, where each head's tokens of a block are one
+    contiguous run (block_size x D: 2 KB for fp8 pages of 16 x 128) instead of block_size runs of D, 128 B apart
+    by Hkv x D. The attention kernels take strides, so either layout reads through the same shape."""
+    num_blocks, block_size, num_kv_heads, head_dim = shape
+    stored = (num_blocks, num_kv_heads, block_size, head_dim) if head_major else shape
+    cache = torch.zeros(stored, dtype=dtype, device=device) if memory is None else memory.view(stored)
+    return cache.transpose(1, 2) if head_major else cache
+
+
+def is_head_major(cache: torch.Tensor) -> bool:
+    """Whether a [num_blocks, block_size, Hkv, D] cache is laid out head-major (`new_kv_cache`)."""
+    return cache.shape[2] > 1 and cache.stride(2) > cache.stride(1)
 
 
 def allocate_kv_caches(spec: KVCacheSpec, cache_config: CacheConfig, device: torch.device, reserve_bytes: int = 0
@@ -83,14 +113,16 @@ def allocate_kv_caches(spec: KVCacheSpec, cache_config: CacheConfig, device: tor
     shape = spec.block_shape(num_blocks)
     if device.type == "cpu":
         # One buffer on huge pages for every layer's cache (host_memory.py says why).
-        arena = huge_page_zeros(num_blocks * spec.bytes_per_block).view(spec.dtype).view(2 * spec.num_layers, *shape)
-        caches = [(arena[2 * i], arena[2 * i + 1]) for i in range(spec.num_layers)]
+        arena = huge_page_zeros(num_blocks * spec.bytes_per_block).view(spec.dtype).view(2 * spec.num_layers, -1)
+        caches = [(new_kv_cache(shape, spec.dtype, device, spec.head_major, arena[2 * i]),
+                   new_kv_cache(shape, spec.dtype, device, spec.head_major, arena[2 * i + 1]))
+                  for i in range(spec.num_layers)]
     else:
-        caches = [(torch.zeros(shape, dtype=spec.dtype, device=device),
-                   torch.zeros(shape, dtype=spec.dtype, device=device)) for _ in range(spec.num_layers)]
-    logger.info("KV cache: %d blocks x %d tokens (%d tokens, %.0f MiB, %s on %s; %.0f MiB kept for activations)",
+        caches = [(spec.new_cache(num_blocks, device), spec.new_cache(num_blocks, device))
+                  for _ in range(spec.num_layers)]
+    logger.info("KV cache: %d blocks x %d tokens (%d tokens, %.0f MiB, %s, %s on %s; %.0f MiB kept for activations)",
                 num_blocks, spec.block_size, num_blocks * spec.block_size, num_blocks * spec.bytes_per_block / 2**20,
-                spec.dtype, device, reserve_bytes / 2**20)
+                spec.dtype, "head-major" if spec.head_major else "token-major", device, reserve_bytes / 2**20)
     return int(num_blocks), caches
 
 
@@ -103,7 +135,7 @@ def profile_activation_bytes(model: torch.nn.Module, spec: KVCacheSpec, max_num_
 
     Runs on a one-block cache: every block-table entry is block 0 and no slot is written (-1), so
     the attention reads garbage but finite keys, which is all a memory profile needs."""
-    one_block = torch.zeros(spec.block_shape(1), dtype=spec.dtype, device=device)
+    one_block = spec.new_cache(1, device)
     caches = [(one_block, one_block)] * spec.num_layers
     seq_len = min(max_num_tokens, max_model_len)
     num_seqs = -(-max_num_tokens // seq_len)
