@@ -8,7 +8,6 @@ Variants of one kernel (constexpr switches):
   half_*        4-bit codes widened in bf16 (`quant_layout.half_planes`) instead of fp32
   half_pipe_*   K order, the next K tile widened before this tile's dot (hand-pipelined)
   shipped       `kernels.quant_gemm` with its own tiles (`quant_gemm_config`)
-  tc            `kernels.quant_gemm_tc`: the weight the left operand, 128-256 weight rows a program
   widened       `kernels.quant_widen.widened_matmul`: the weight widened to bf16, then cuBLAS
 Each (variant, tile) compiles in a pool of processes first (Triton's disk cache), then every shape of
 Llama-3-8B's projections is timed from CUDA graphs (weights rotated past L2). Prints the best tile of each
@@ -36,7 +35,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels._common import cast, dot_upcast, mma  # noqa: E402
 from kernels.quant_gemm import quant_gemm  # noqa: E402
-from kernels.quant_gemm_tc import quant_gemm_tc  # noqa: E402
 from kernels.quant_layout import (  # noqa: E402
     IntPackedWeight,
     act_planes,
@@ -45,7 +43,6 @@ from kernels.quant_layout import (  # noqa: E402
     planes_in_k_order,
     tile_for,
 )
-from kernels.quant_tiles import with_row_tiles  # noqa: E402
 from kernels.quant_widen import widened_matmul  # noqa: E402
 
 PROJECTIONS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
@@ -56,7 +53,6 @@ VARIANTS = {"planes": (False, False, False, False), "swap_planes": (True, False,
             "half_natural": (False, True, True, False), "half_swap_natural": (True, True, True, False),
             "half_pipe_natural": (False, True, True, True), "half_pipe_swap_natural": (True, True, True, True)}
 FIXED_VARIANTS = ("shipped", "widened")  # no tiles to sweep
-TC_VARIANT = "tc"  # kernels.quant_gemm_tc (the weight as the left operand, widened by magic codes), tiles swept
 
 
 @triton.jit
@@ -158,11 +154,8 @@ def gptq_weight(n: int, k: int, device: str = "cuda", zeros: bool = False) -> In
 
 
 def launch(x: torch.Tensor, w: IntPackedWeight, out: torch.Tensor, variant: str, config: dict, warmup: bool = False):
-    block_m, block_n, block_k, num_warps, num_stages = config["tile"]
-    if variant == TC_VARIANT:  # compiled by a first call (no warmup entry point)
-        return quant_gemm_tc(x, w, out=out, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
-                             num_stages=num_stages)
     swap, natural, half, pipelined = VARIANTS[variant]
+    block_m, block_n, block_k, num_warps, num_stages = config["tile"]
     block_k, chunking = tile_for(w, block_k)
     args, consts = kernel_args(w)
     grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(w.shape[0], block_n))
@@ -180,7 +173,6 @@ def _compile(job: tuple[str, dict]) -> str | None:
     variant, config = job
     try:
         w = gptq_weight(256, 512)
-        w = with_row_tiles(w) if variant == TC_VARIANT else w
         x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
         launch(x, w, torch.empty(64, 256, device="cuda", dtype=torch.bfloat16), variant, config, warmup=True)
         return None
@@ -202,7 +194,7 @@ def tiles_for_rows(num_rows: int, args: argparse.Namespace) -> list[tuple]:
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
     block_ms = [bm for bm in ints(args.block_m) if bm <= max(16, num_rows) and bm * 8 >= num_rows]
     return [(bm, bn, bk, nw, ns) for bm, bn, bk, nw, ns in itertools.product(
-        block_ms, ints(args.block_n), ints(args.block_k), ints(args.warps), ints(args.stages)) if bm * bn <= args.max_tile]
+        block_ms, ints(args.block_n), ints(args.block_k), ints(args.warps), ints(args.stages)) if bm * bn <= 256 * 128]
 
 
 def main() -> None:
@@ -216,9 +208,6 @@ def main() -> None:
     p.add_argument("--block-k", default="64,128")
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="3")
-    p.add_argument("--max-tile", type=int, default=256 * 128, help="the largest BLOCK_M x BLOCK_N tried")
-    p.add_argument("--row-tiles", action="store_true",
-                   help="the codes in row tiles (`quant_tiles.with_row_tiles`, as the engine loads them on a GPU)")
     p.add_argument("--budget-s", type=float, default=420.0, help="stop timing new tiles after this long")
     args = p.parse_args()
     start = time.time()
@@ -237,7 +226,6 @@ def main() -> None:
         for name, n, k in PROJECTIONS:
             copies = max(2, (192 << 20) // (n * k // 2))
             ws = [gptq_weight(n, k, zeros=args.zeros) for _ in range(copies)]
-            ws = [with_row_tiles(w) for w in ws] if args.row_tiles else ws
             x = torch.randn(num_rows, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(num_rows, n, device="cuda", dtype=torch.bfloat16)
             ref = x.double() @ dequantize_int(ws[0], torch.float64).T

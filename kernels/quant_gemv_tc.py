@@ -66,28 +66,7 @@ WIDEN_FP16 = tl.constexpr(_WIDEN_ASM.replace("MAGIC_BITS", "0x64006400"))
 
 
 @triton.jit
-def row_offsets(rows, stride_qs, TILE_N: tl.constexpr):
-    """The byte offset of each row's K step 0 (`quant_tiles.qs_offsets`, hoisted out of the K loop)."""
-    if TILE_N == 0:
-        return rows * stride_qs
-    else:
-        return (rows // TILE_N) * (TILE_N * stride_qs) + (rows % TILE_N) * 64  # 64: quant_tiles.TILE_BYTES
-
-
-@triton.jit
-def k_step_bytes(qs_ptr, q_rows, k0, b, BLOCK_K: tl.constexpr, TILE_N: tl.constexpr):
-    """Pointers to the bytes `b` [BK/2] of the K step at column k0 of rows at `q_rows` (`row_offsets`): [BN, BK/2]."""
-    if TILE_N == 0:
-        return qs_ptr + q_rows[:, None] + (k0 // 2 + b)[None, :]
-    elif BLOCK_K == 128:  # a K step is one tile (64 bytes a row); NOTE: without the `% 64` term Triton
-        # keeps the 16-byte alignment and the loads stay asynchronous copies (the general form: byte loads)
-        return qs_ptr + q_rows[:, None] + (k0 // 128) * (TILE_N * 64) + b[None, :]
-    else:  # BLOCK_K < 128: a K step stays inside one tile
-        return qs_ptr + q_rows[:, None] + (k0 // 128) * (TILE_N * 64) + (k0 // 2) % 64 + b[None, :]
-
-
-@triton.jit
-def magic_codes(byte, ACT: tl.constexpr):
+def _magic_codes(byte, ACT: tl.constexpr):
     """uint8 [BN, BK/2] -> (MAGIC + low nibble, MAGIC + high nibble), each ACT [BN, BK/2]."""
     if _INTERPRETED:
         code = byte.to(tl.int16)
@@ -101,21 +80,12 @@ def magic_codes(byte, ACT: tl.constexpr):
 
 
 @triton.jit
-def half_minus(a, b):
+def _minus(a, b):
     """a - b in a's dtype (exact here: integers below 256)."""
     if _INTERPRETED:  # NOTE: the interpreter has no bf16 arithmetic
         return (a.to(tl.float32) - b.to(tl.float32)).to(a.dtype)
     else:
         return a - b
-
-
-@triton.jit
-def half_times(a, b):
-    """a * b in a's dtype, rounded once (the interpreter: the exact fp32 product, rounded)."""
-    if _INTERPRETED:
-        return cast(a.to(tl.float32) * b.to(tl.float32), a.dtype)
-    else:
-        return a * b
 
 
 @triton.jit
@@ -151,14 +121,14 @@ def _sub_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, c0, offs_m, M, 
                               GATED, NORM, HAS_PERM, ACT)
     x_hi, squares = _x_planes(x_ptr, nw_ptr, perm_ptr, c0 + 16 + plane_cols, offs_m, M, K, stride_xm, squares,
                               GATED, NORM, HAS_PERM, ACT)
-    w_lo, w_hi = magic_codes(byte, ACT)
+    w_lo, w_hi = _magic_codes(byte, ACT)
     group = c0 // GROUP
     if HAS_ZEROS:
         zero = _magic_plus(tl.load(z_ptr + rows * stride_s + group).to(tl.int16), ACT)[:, None]
     else:
         zero = tl.full((BLOCK_N, 1), MAGIC + ZERO, ACT)
-    part = mma(half_minus(w_lo, zero), x_lo, tl.zeros((BLOCK_N, PAD_ROWS), dtype=tl.float32), "tf32", _INTERPRETED)
-    part = mma(half_minus(w_hi, zero), x_hi, part, "tf32", _INTERPRETED)
+    part = mma(_minus(w_lo, zero), x_lo, tl.zeros((BLOCK_N, PAD_ROWS), dtype=tl.float32), "tf32", _INTERPRETED)
+    part = mma(_minus(w_hi, zero), x_hi, part, "tf32", _INTERPRETED)
     return part * tl.load(s_ptr + rows * stride_s + group).to(tl.float32)[:, None], squares
 
 
@@ -210,9 +180,18 @@ def _quant_gemv_tc_kernel(
     squares = tl.zeros((PAD_ROWS,), dtype=tl.float32)
     k_split = tl.cdiv(K // BLOCK_K, SPLIT_K) * BLOCK_K  # K is a multiple of BLOCK_K
     k_begin = tl.multiple_of(tl.program_id(1) * k_split, BLOCK_K)
-    q_rows = row_offsets(rows, stride_qs, TILE_N)
+    if TILE_N == 0:  # the byte offset of each row's K step 0 (`quant_tiles.qs_offsets`, hoisted)
+        q_rows = rows * stride_qs
+    else:
+        q_rows = (rows // TILE_N) * (TILE_N * stride_qs) + (rows % TILE_N) * 64  # 64: quant_tiles.TILE_BYTES
     for k0 in range(k_begin, tl.minimum(k_begin + k_split, K), BLOCK_K):
-        q_at = k_step_bytes(qs_ptr, q_rows, k0, b, BLOCK_K, TILE_N)
+        if TILE_N == 0:
+            q_at = qs_ptr + q_rows[:, None] + (k0 // 2 + b)[None, :]
+        elif BLOCK_K == 128:  # a K step is one tile (64 bytes a row); NOTE: without the `% 64` term Triton
+            # keeps the 16-byte alignment and the loads stay asynchronous copies (the general form: byte loads)
+            q_at = qs_ptr + q_rows[:, None] + (k0 // 128) * (TILE_N * 64) + b[None, :]
+        else:  # BLOCK_K < 128: a K step stays inside one tile
+            q_at = qs_ptr + q_rows[:, None] + (k0 // 128) * (TILE_N * 64) + (k0 // 2) % 64 + b[None, :]
         part, squares = _k_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, k0, offs_m, M, K, stride_s,
                                 stride_xm, squares, GROUP, ZERO, HAS_ZEROS, HAS_PERM, GATED, NORM, BLOCK_N,
                                 BLOCK_K, SUB_K, MAGIC, ACT)
