@@ -38,8 +38,6 @@ from kernels._common import (
 )
 from kernels.activation import silu_and_mul
 from kernels.fp8_gemv import MAX_FP8_GEMV_ROWS, fp8_gemv
-from kernels.fp8_gemv_tc import TENSOR_CORES as FP8_TENSOR_CORES
-from kernels.fp8_gemv_tc import fp8_gemv_tc, takes_fp8_tensor_cores
 from kernels.fp8_quant import MIN_SCALE, quantize_fp8_rows, quantize_fp8_silu_and_mul
 from kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_fp8
 
@@ -186,9 +184,8 @@ def _can_scaled_mm(xq: torch.Tensor, out_dtype: torch.dtype, w: Fp8Weight) -> bo
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, *,
                residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (16/32-bit) @ dequant(w).T + bias (+ residual [M, N]) -> [M, N] in x's dtype, fp32
-    accumulation. Up to MAX_FP8_GEMV_ROWS rows (decode) x stays as it is (`fp8_gemv_tc` on the tensor cores where
-    it takes the input, else `fp8_gemv`); past them it is quantized to e4m3 per row and block_k columns for the
-    fp8 x fp8 GEMM."""
+    accumulation. Up to MAX_FP8_GEMV_ROWS rows (decode) x stays as it is (`fp8_gemv`); past them it is
+    quantized to e4m3 per row and block_k columns for the fp8 x fp8 GEMM."""
     n, k = w.shape
     require(x.dim() == 2 and x.shape[1] == k, lambda: f"x: expected [M, {k}], got {tuple(x.shape)}")
     require_dtype("x", x, ACT_DTYPES)
@@ -197,8 +194,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
     require(residual is None or tuple(residual.shape) == (x.shape[0], n),
             lambda: f"residual: expected {[x.shape[0], n]}, got {None if residual is None else list(residual.shape)}")
     if x.shape[0] <= MAX_FP8_GEMV_ROWS:
-        gemv = fp8_gemv_tc if FP8_TENSOR_CORES and takes_fp8_tensor_cores(x, k, w.block_k) else fp8_gemv
-        return gemv(x, w.weight, w.scale, w.block_n, w.block_k, bias, residual=residual)
+        return fp8_gemv(x, w.weight, w.scale, w.block_n, w.block_k, bias, residual=residual)
     y = fp8_quantized_matmul(x, w, bias)
     return y if residual is None else y.add_(residual)
 

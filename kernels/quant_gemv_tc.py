@@ -20,8 +20,9 @@ loop against 6.3):
 - the codes may sit in row tiles (`quant_tiles.with_row_tiles`, what the loader does on the GPU): a
   program's K step then reads one contiguous run.
 
-Narrow layers split K over several programs (`SPLIT_K`, `kernels.split_k`): the program that finishes a column
-tile last sums the partials in a fixed order, deterministically, and applies the epilogue.
+Narrow layers split K over several programs (`SPLIT_K`): each writes its fp32 partial to a workspace,
+and the program that finishes a column tile last (a counter, acquire-release) sums the partials in a
+fixed order, deterministically, and applies the epilogue. The workspace and counters are left zeroed.
 
 The fused decoder's options are those of `kernels.gemv` (`gated`, `norm_weight`, `residual`); the
 input then passes through the same fp32 prologue and is rounded to x's dtype once, as the unfused layers
@@ -46,7 +47,6 @@ from kernels._common import (
     require,
 )
 from kernels.quant_layout import IntPackedWeight, _magic_plus
-from kernels.split_k import arrive, split_args, split_for, sum_partials
 
 MAX_ROWS = 16  # x^T padded to the MMA's smallest N
 PAD_ROWS = tl.constexpr(MAX_ROWS)
@@ -198,9 +198,25 @@ def _quant_gemv_tc_kernel(
         acc += part
     ws_at = offs_m[None, :] * N + offs_n[:, None]  # [BN, 16] in one split's [16, N] slab
     if SPLIT_K > 1:
-        if arrive(acc, ws_ptr, count_ptr, pid_n, tl.program_id(1), PAD_ROWS * N, ws_at, n_mask, SPLIT_K):
-            # the last program of this column tile: sum and finish
-            acc = sum_partials(ws_ptr, count_ptr, pid_n, PAD_ROWS * N, ws_at, n_mask, SPLIT_K, BLOCK_N, PAD_ROWS)
+        tl.store(ws_ptr + tl.program_id(1) * PAD_ROWS * N + ws_at, acc, mask=n_mask[:, None])
+        # NOTE: one thread's release does not publish the other threads' stores (seen on an H200: the rows
+        # other lanes held went missing): each thread fences its own before the arrival
+        _fence_gpu(pid_n)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last program of this column tile: sum and finish
+            tl.debug_barrier()
+            _fence_gpu(pid_n)
+            acc = tl.zeros((BLOCK_N, PAD_ROWS), dtype=tl.float32)
+            for split in range(SPLIT_K):
+                acc += tl.load(ws_ptr + split * PAD_ROWS * N + ws_at, mask=n_mask[:, None], other=0.0,
+                               cache_modifier=".cg")
+            # NOTE: the zeros are stored by other threads than the ones that loaded (the layouts differ):
+            # every load before any of them
+            tl.debug_barrier()
+            for split in range(SPLIT_K):
+                tl.store(ws_ptr + split * PAD_ROWS * N + ws_at, tl.zeros_like(acc), mask=n_mask[:, None])
+            tl.store(count_ptr + pid_n, 0)
             if NORM:  # every program saw only its K range of x: the norm's sums again, whole
                 squares = _row_squares(x_ptr, offs_m, M, K, stride_xm)
             _finish(acc, squares, b_ptr, r_ptr, y_ptr, offs_n, n_mask, offs_m, M, K, eps, stride_rm, stride_ym,
@@ -208,6 +224,14 @@ def _quant_gemv_tc_kernel(
     else:
         _finish(acc, squares, b_ptr, r_ptr, y_ptr, offs_n, n_mask, offs_m, M, K, eps, stride_rm, stride_ym,
                 HAS_BIAS, NORM, RESIDUAL)
+
+
+@triton.jit
+def _fence_gpu(token):
+    """This thread's memory operations ordered at GPU scope (`__threadfence`); `token`: any scalar."""
+    if not _INTERPRETED:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu;\nmov.u32 $0, $1;", "=r,r", [token], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -261,9 +285,28 @@ def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_p
     # NOTE: sub-tiles of 32 columns on 128-wide tiles take Triton's layouts through shared memory (SASS: 8.2
     # instructions a weight against 5.3 on 64-wide tiles)
     block_n = 128 if sub_k >= 64 and (n >= 16384 or (k >= 8192 and (has_prologue or tiled))) else 64
-    split = split_for(triton.cdiv(n, block_n), k, block_k, num_sms(device))
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while tiles * split < 1.5 * num_sms(device) and k // (split * 2) >= 4 * block_k:
+        split *= 2
     return {"block_n": block_n, "block_k": block_k, "sub_k": sub_k, "split_k": split, "num_warps": 4,
             "num_stages": 3}
+
+
+_WORKSPACES: dict = {}
+
+
+def _workspace(device: torch.device, num_floats: int, num_counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A zeroed fp32 workspace and int32 counters for split-K, kept zero by the kernel (one per device;
+    launches on one stream never overlap: each waits for the previous kernel before it touches them)."""
+    ws, counts = _WORKSPACES.get(device, (None, None))
+    if ws is None or ws.numel() < num_floats or counts.numel() < num_counters:
+        # NOTE: sized for every layer of a large model at once (16 MB): a CUDA graph capture must not
+        # be the call that grows it
+        ws = torch.zeros(max(num_floats, 1 << 22), dtype=torch.float32, device=device)
+        counts = torch.zeros(max(num_counters, 1 << 14), dtype=torch.int32, device=device)
+        _WORKSPACES[device] = (ws, counts)
+    return ws, counts
 
 
 def quant_gemv_tc(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = None, *, gated: bool = False,
@@ -282,7 +325,7 @@ def quant_gemv_tc(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None
     block_n, block_k = block_n or tiles["block_n"], min(block_k or tiles["block_k"], tiles["block_k"])
     sub_k = min(block_k, tiles["sub_k"])
     split = split_k or tiles["split_k"]
-    ws, counts = split_args(x.device, split, MAX_ROWS, n, triton.cdiv(n, block_n), x)
+    ws, counts = _workspace(x.device, split * MAX_ROWS * n, triton.cdiv(n, block_n)) if split > 1 else (x, x)
     opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"],
                                         "num_stages": num_stages or tiles["num_stages"]}
     _quant_gemv_tc_kernel[(triton.cdiv(n, block_n), split)](
