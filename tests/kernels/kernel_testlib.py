@@ -71,16 +71,12 @@ class PagedKV:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         spare_blocks: int = 3,
-        head_major: bool = False,
     ):
         cache_dtype = cache_dtype or dtype
         num_blocks = sum(-(-n // page_size) for n in seq_lens) + spare_blocks + 1
         shape = (num_blocks, page_size, num_kv_heads, head_dim)
-        # head-major: each head's tokens of a page contiguous (`kv_cache.new_kv_cache`), the same shape
-        stored = (num_blocks, num_kv_heads, page_size, head_dim) if head_major else shape
-        self.k_cache, self.v_cache = (poisoned(stored, cache_dtype), poisoned(stored, cache_dtype))
-        if head_major:
-            self.k_cache, self.v_cache = self.k_cache.transpose(1, 2), self.v_cache.transpose(1, 2)
+        self.k_cache = poisoned(shape, cache_dtype)
+        self.v_cache = poisoned(shape, cache_dtype)
         self.block_tables = random_seq_block_tables(seq_lens, page_size, num_blocks).to(DEVICE)
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
         self.k_scale, self.v_scale = k_scale, v_scale
