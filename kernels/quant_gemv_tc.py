@@ -338,4 +338,3 @@ def quant_gemv_tc(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None
         BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k, SPLIT_K=split, TILE_N=w.tile_n, **opts,
         **pdl_args(x.device))
     return out
-
