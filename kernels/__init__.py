@@ -7,7 +7,7 @@ in the activation dtype or fp8 e4m3 (`FP8_DTYPE`) with a per-layer scale. See ke
 from kernels._common import FP8_DTYPE, FP8_MAX
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.attention_ref import paged_decode_attention_ref
-from kernels.decode_attention import decode_launch_variants, paged_decode_attention
+from kernels.decode_attention import DecodeLaunch, decode_launch_variants, paged_decode_attention
 from kernels.decode_prologue import DecodeAppend
 from kernels.fp8_gemm import Fp8Weight, fp8_gated_linear, fp8_linear, fp8_matmul_ref, fp8_normed_linear
 from kernels.gemv import MAX_GEMV_ROWS, gemv, gemv_ref
@@ -44,6 +44,7 @@ __all__ = [
     "gemv_ref",
     "moe_route",
     "paged_decode_attention",
+    "DecodeLaunch",
     "decode_launch_variants",
     "paged_decode_attention_ref",
     "paged_prefill_attention",

@@ -9,6 +9,9 @@ partials. With num_splits == 1 the program writes the final output and there is 
 
 from __future__ import annotations
 
+import os
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -307,14 +310,33 @@ def paged_decode_attention(
     return out
 
 
-def decode_launch_variants(q_dtype: torch.dtype, k_cache: torch.Tensor) -> list[tuple[int, int]]:
-    """(num_kv_splits, num_stages) pairs that reach every compiled variant `paged_decode_attention` may launch for
-    queries of q_dtype over this cache (one split or several, each pipeline depth `_decode_tiles` picks): an
-    engine launches each once before serving, so that no step compiles one (~1.4 s each on an H100)."""
+class DecodeLaunch(NamedTuple):
+    """One compiled variant of `paged_decode_attention`: its split count and tile (the launcher's arguments)."""
+    num_kv_splits: int
+    block_n: int | None
+    num_warps: int | None
+    num_stages: int | None
+
+
+def decode_launch_variants(q_dtype: torch.dtype, k_cache: torch.Tensor) -> list[DecodeLaunch]:
+    """The launches that reach every compiled variant `paged_decode_attention` may run for queries of q_dtype over
+    this cache (one split or several, each tile `_decode_tiles` picks for some grid size): an engine launches each
+    once before serving, so that no step compiles one (~1.4 s each on an H100)."""
     fp16_dots = k_cache.dtype == FP8_DTYPE and q_dtype != torch.float32
-    stages = {_decode_tiles(q_dtype, fp16_dots, num_programs, k_cache.device, None, None, None)[1].get("num_stages", 0)
-              for num_programs in (1, 1 << 30)}  # the smallest grid and the largest
-    return [(num_kv_splits, num_stages) for num_kv_splits in (1, 2) for num_stages in sorted(stages)]
+    sms = num_sms(k_cache.device)
+    tiles = []
+    for num_programs in (1, 4 * sms + 1, _MIN_ONE_WARP_PROGRAMS * sms + 1):  # each grid regime of `_decode_tiles`
+        block_n, opts = _decode_tiles(q_dtype, fp16_dots, num_programs, k_cache.device, None, None, None)
+        tile = (block_n, opts.get("num_warps"), opts.get("num_stages"))
+        if tile not in tiles:
+            tiles.append(tile)
+    return [DecodeLaunch(num_kv_splits, *tile) for num_kv_splits in (1, 2) for tile in tiles]
+
+
+# fp8 K/V: from this many programs a multiprocessor (Hopper) each program is one warp over 16-token tiles;
+# `KERNELS_FP8_DECODE_ONE_WARP=0` keeps four warps on every grid (the A/B switch of bench/gpu_engine.py)
+_MIN_ONE_WARP_PROGRAMS = 6
+_ONE_WARP = os.environ.get("KERNELS_FP8_DECODE_ONE_WARP", "1") != "0"
 
 
 def _decode_tiles(dtype: torch.dtype, fp16_dots: bool, num_programs: int, device: torch.device,
@@ -325,15 +347,24 @@ def _decode_tiles(dtype: torch.dtype, fp16_dots: bool, num_programs: int, device
     fp32 = dtype == torch.float32
     if fp16_dots:
         # NOTE: fp8 K/V is bound by the instructions a tile (widening, the softmax over a 16-row tile for a
-        # group of 4 heads), not by memory: 128-token tiles halve the per-tile work a token. Five stages keep
-        # two tiles in flight (the block-table load feeds the K/V addresses, so the pipeliner holds one below
-        # five) but take 160 KiB of shared memory, one program a multiprocessor: they win while the grid is
-        # small; past 4 programs a multiprocessor, three stages (two programs each) win. H100, 2026-11-27
-        # (bench/decode_attention_tune.py), of the copy rate: 384 x 1,024 0.75 -> 0.85, 384 x 1,536 0.76 ->
-        # 0.87, 64 x 4,096 0.58 -> 0.82, 16 x 4,096 0.52 -> 0.66, 1 x 16,384 0.40 -> 0.42.
+        # group of 4 heads), not by memory. With four warps a program, each K/V tile's probabilities cross
+        # warps through shared memory (~11 barriers a tile) and fp8 V is widened, stored and read back
+        # transposed: Nsight Compute on an H100 (384 x 1,536): 18.75% occupancy, 6.9 cycles a warp instruction,
+        # 20% of them register moves. One warp a program needs no barrier: on a large grid (> 6 programs a
+        # multiprocessor) it reaches 0.92-0.95 of the copy rate over 16-token tiles, six stages deep, where four
+        # warps over 128-token tiles reach 0.80-0.90 (384 x 1,536 451 -> 426 us; 256 x 1,024 222 -> 197;
+        # 128 x 2,048 224 -> 193; 2026-11-28, bench/decode_attention_tune.py). With fewer programs one warp
+        # leaves the multiprocessors idle (96 x 2,048: 0.78 against 0.86), so smaller grids keep 128-token tiles:
+        # five stages keep two tiles in flight (the block-table load feeds the K/V addresses, so the pipeliner
+        # holds one below five) but take 160 KiB of shared memory, one program a multiprocessor: they win while
+        # the grid is small; past 4 programs a multiprocessor, three stages (two programs each) win (2026-11-27:
+        # 64 x 4,096 0.58 -> 0.82, 16 x 4,096 0.52 -> 0.66, 1 x 16,384 0.40 -> 0.42).
+        is_hopper = is_hopper_or_later(device)
+        if _ONE_WARP and is_hopper and num_programs > _MIN_ONE_WARP_PROGRAMS * num_sms(device):
+            return block_n or 16, {"num_warps": num_warps or 1, "num_stages": num_stages or 6}
         block_n = block_n or 128
         num_warps = num_warps or 4
-        is_small_grid = num_programs <= 4 * num_sms(device) and is_hopper_or_later(device)
+        is_small_grid = num_programs <= 4 * num_sms(device) and is_hopper
         num_stages = num_stages or (5 if is_small_grid else 3)
         return block_n, {"num_warps": num_warps, "num_stages": num_stages}
     block_n = block_n or (32 if fp32 else 64)

@@ -52,7 +52,7 @@ class TritonPagedAttention:
         self._splits_for: tuple[int, int] | None = None
         self._splits = 1
         # Set inside `compiling_every_variant`: each eager decode launch runs at every one of these instead.
-        self._every_variant: list[tuple[int, int]] | None = None
+        self._every_variant: list | None = None  # [kernels.DecodeLaunch]
 
     @contextlib.contextmanager
     def compiling_every_variant(self, q_dtype: torch.dtype, k_cache: torch.Tensor) -> Iterator[None]:
@@ -96,13 +96,13 @@ class TritonPagedAttention:
             # its KV head's whole context (a GQA group reads it group times over); the decode kernel
             # reads it once for the group. In a mixed step of a few prefills and hundreds of long
             # decodes that is most of the step's attention time.
-            variants = self._every_variant or [(self._num_kv_splits(num_decodes, metadata.max_seq_len, k_cache), 0)]
-            for num_kv_splits, num_stages in variants:
+            launches = [launch._asdict() for launch in self._every_variant or ()] or [
+                {"num_kv_splits": self._num_kv_splits(num_decodes, metadata.max_seq_len, k_cache)}]
+            for launch in launches:
                 kern.paged_decode_attention(
                     q[:num_decodes], k_cache, v_cache, metadata.block_tables[:num_decodes],
-                    metadata.seq_lens[:num_decodes], scale, out=out[:num_decodes], num_kv_splits=num_kv_splits,
-                    num_stages=num_stages or None, k_scale=self.k_scale, v_scale=self.v_scale,
-                    sliding_window=sliding_window, soft_cap=soft_cap,
+                    metadata.seq_lens[:num_decodes], scale, out=out[:num_decodes], k_scale=self.k_scale,
+                    v_scale=self.v_scale, sliding_window=sliding_window, soft_cap=soft_cap, **launch,
                 )
         if spans is not None:
             dense_prefill_attention(q, k, v, spans, scale, out)

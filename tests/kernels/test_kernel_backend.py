@@ -100,7 +100,7 @@ def test_triton_backend_matches_torch(case, dtype, heads, head_dim, block_size):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_compiling_every_variant_launches_each_and_keeps_the_output(dtype, monkeypatch):
     """A mixed step inside `compiling_every_variant` (what the engine runs once before serving) launches its
-    decode attention at every (splits, stages) variant, and still returns the step's attention."""
+    decode attention at every (splits, tile) variant, and still returns the step's attention."""
     import kernels
 
     gen = torch.Generator().manual_seed(5)
@@ -112,13 +112,13 @@ def test_compiling_every_variant_launches_each_and_keeps_the_output(dtype, monke
     launches = []
     launch = kernels.paged_decode_attention
     monkeypatch.setattr(kernels, "paged_decode_attention", lambda *a, **kw: launches.append(
-        (kw["num_kv_splits"], kw["num_stages"])) or launch(*a, **kw))
+        tuple(kw.get(name) for name in kernels.DecodeLaunch._fields)) or launch(*a, **kw))
     backend = TritonPagedAttention()
     with backend.compiling_every_variant(dtype, k_cache):
         out = backend.forward(q, k, v, k_cache, v_cache, md, 0.125)
     variants = kernels.decode_launch_variants(dtype, k_cache)
-    assert {splits for splits, _ in variants} == {1, 2}
-    assert launches == [(splits, stages or None) for splits, stages in variants]
+    assert {launch.num_kv_splits for launch in variants} == {1, 2}
+    assert launches == [tuple(launch) for launch in variants]
     assert rel_err(out, expected) < TOL[dtype]
     backend.forward(q, k, v, k_cache, v_cache, md, 0.125)  # outside: one launch again
     assert len(launches) == len(variants) + 1

@@ -16,9 +16,10 @@ F32, BF16 = torch.float32, torch.bfloat16
 
 
 def step_case(lens, num_kv_heads, group, head_dim, dtype, *, cache_dtype=None, splits=None, qk_norm=False,
-              rotary=True, window=None, padded=0):
+              rotary=True, window=None, padded=0, tile=None):
     """(fused out, fused caches, unfused out, unfused caches) of one decode step: sequence i holds lens[i] - 1
-    cached tokens and appends one; `padded` trailing batch rows have seq_len 0 and slot -1 (a graph's padding)."""
+    cached tokens and appends one; `padded` trailing batch rows have seq_len 0 and slot -1 (a graph's padding);
+    `tile`: (block_n, num_warps, num_stages) of both launches."""
     torch.manual_seed(0)
     scales = {"k_scale": 0.05, "v_scale": 0.04} if cache_dtype == FP8_DTYPE else {}
     kv = PagedKV([n - 1 for n in lens], 16, num_kv_heads, head_dim, dtype, cache_dtype=cache_dtype, **scales,
@@ -45,7 +46,8 @@ def step_case(lens, num_kv_heads, group, head_dim, dtype, *, cache_dtype=None, s
     if qk_norm:
         norms = {"q_norm_weight": (1 + 0.3 * torch.randn(head_dim, device=DEVICE)).to(dtype),
                  "k_norm_weight": (1 + 0.3 * torch.randn(head_dim, device=DEVICE)).to(dtype), "norm_eps": 1e-6}
-    common = {"sliding_window": window, "num_kv_splits": splits, "max_seq_len": max(lens), **scales}
+    common = {"sliding_window": window, "num_kv_splits": splits, "max_seq_len": max(lens), **scales,
+              **dict(zip(("block_n", "num_warps", "num_stages"), tile or ()))}
 
     def views(t):
         return (t[:, :q_end].view(num_seqs, num_q_heads, head_dim),
@@ -96,11 +98,13 @@ def test_append_with_rotary_equals_rotary_write_then_attend(splits, dtype):
     assert rel_err(fused, plain.double()) <= (TOL[dtype] if ON_GPU else TOL[dtype] / 10)
 
 
+# (16, 1, 6): the one-warp tile a large grid over an fp8 cache takes on Hopper (compiled only on the GPU)
+@pytest.mark.parametrize("tile", [None, (16, 1, 6)] if ON_GPU else [None])
 @pytest.mark.parametrize("splits", [1, 8])
-def test_append_with_qk_norm_fp8_cache_window_and_padding(splits):
+def test_append_with_qk_norm_fp8_cache_window_and_padding(splits, tile):
     # Qwen3's QK-norm folded as well, e4m3 cache (quantized on the way in), a sliding window, padded rows
     fused, fused_cache, plain, plain_cache = step_case(LENS, 2, 4, 128, BF16, cache_dtype=FP8_DTYPE, splits=splits,
-                                                       qk_norm=True, window=20, padded=2)
+                                                       qk_norm=True, window=20, padded=2, tile=tile)
     # NOTE: the fused norm sums the row's squares in another order: a K value may differ by one rounding
     assert_same_cache(fused_cache, plain_cache, max_differing=2)
     assert rel_err(fused[:-2], plain[:-2].double()) <= TOL[BF16]

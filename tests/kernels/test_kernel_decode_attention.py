@@ -122,7 +122,8 @@ def as_fp8(exact: PagedKV, k_scale: float, v_scale: float) -> PagedKV:
 
 
 @pytest.mark.skipif(not ON_GPU, reason="tile configs are compiled only on the GPU (the interpreter ignores them)")
-@pytest.mark.parametrize("block_n,num_warps,num_stages", [(32, 4, 5), (64, 4, 5), (64, 4, 7), (128, 4, 5), (64, 8, 5)])
+@pytest.mark.parametrize("block_n,num_warps,num_stages", [(32, 4, 5), (64, 4, 5), (64, 4, 7), (128, 4, 5), (64, 8, 5),
+                                                         (16, 1, 6)])
 @pytest.mark.parametrize("is_fp8", [False, True], ids=["bf16_cache", "fp8_cache"])
 def test_decode_tile_configs(block_n, num_warps, num_stages, is_fp8):
     """Deeper K/V pipelines (num_stages) and other tiles compute the same function."""
