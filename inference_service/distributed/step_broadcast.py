@@ -100,13 +100,13 @@ class DriverModel:
             self._group.broadcast(tensor.contiguous())
         return self._model(input_ids, positions, kv_caches, metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if not self._is_in_graph_step:
             self._send(StepHeader(Op.LOGITS, hidden.shape[0]))
             self._group.broadcast(hidden.contiguous())
         # NOTE: a decode graph takes the logits of every row of its forward, whose output is the same on every
         # rank (the all-reduces give every rank the same sums): the workers use their own, no broadcast.
-        return self._model.compute_logits(hidden)
+        return self._model.compute_logits(hidden, out)
 
     @contextmanager
     def graph_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], phase: GraphPhase, size: int,

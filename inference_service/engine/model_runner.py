@@ -244,8 +244,7 @@ class ModelRunner:
         into the decode graphs' shared buffer's first row (graphs never run at once)."""
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [size, hidden]
         out = self._graph_logits[:1]
-        out.copy_(self.model.compute_logits(hidden.index_select(0, last_row)))
-        return out
+        return self.model.compute_logits(hidden.index_select(0, last_row), out)
 
     def _forward_into_graph_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                                    metadata: AttentionMetadata) -> torch.Tensor:
@@ -253,5 +252,4 @@ class ModelRunner:
         (so the graphs' outputs do not each hold a [size, vocab] tensor of their own)."""
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [size, hidden]
         out = self._graph_logits[:input_ids.shape[0]]
-        out.copy_(self.model.compute_logits(hidden))
-        return out
+        return self.model.compute_logits(hidden, out)
