@@ -12,6 +12,7 @@ GPU) or token-major (`--layouts head,token` times both).
 
 Usage: python bench/decode_attention_tune.py [--out DIR] [--shapes 384x1024,256x1536] [--pages random,in_order]
        [--dtypes fp8,bf16] [--variants default,128/4/3,...] [--layouts head,token]
+       [--page-sizes 16,32,64]
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ def parse_variant(spec: str) -> tuple[int | None, int | None, int | None]:
     return (None, None, None) if spec == "default" else tuple(map(int, spec.split("/")))
 
 
-def setup(b: Bench, batch: int, ctx: int, cache_dtype: torch.dtype, pages_in_order: bool, head_major: bool) -> dict:
-    pages = -(-ctx // PAGE)
+def setup(b: Bench, batch: int, ctx: int, cache_dtype: torch.dtype, pages_in_order: bool, head_major: bool,
+          page: int = PAGE) -> dict:
+    pages = -(-ctx // page)
     kv_bytes = batch * ctx * NUM_KV_HEADS * HEAD_DIM * 2 * cache_dtype.itemsize
     num_sets = max(2, -(-(1 << 30) // kv_bytes))  # > 1 GiB of K/V cycled: past L2
     num_blocks = num_sets * batch * pages + 1
-    shape = (num_blocks, PAGE, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, page, NUM_KV_HEADS, HEAD_DIM)
     k_cache, v_cache = (new_kv_cache(shape, cache_dtype, "cuda", head_major) for _ in range(2))
     for cache in (k_cache, v_cache):
         cache.copy_(torch.randn(shape, dtype=BF16, device="cuda"))
@@ -65,6 +67,8 @@ def main() -> None:
     parser.add_argument("--variants", default=VARIANTS)
     parser.add_argument("--layouts", default="head,token", help="the cache's memory order: head (each head's page one "
                         "run, the engine's default on a GPU), token ([tokens, heads, dim])")
+    parser.add_argument("--page-sizes", default=str(PAGE),
+                        help="comma-separated tokens a cache page (serve --block-size)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     b = Bench(smoke=False)
@@ -76,11 +80,12 @@ def main() -> None:
         batch, ctx = map(int, shape.split("x"))
         for dtype_name in args.dtypes.split(","):
             cache_dtype = FP8_DTYPE if dtype_name == "fp8" else BF16
-            for pages, layout in itertools.product(args.pages.split(","), args.layouts.split(",")):
-                s = setup(b, batch, ctx, cache_dtype, pages == "in_order", layout == "head")
+            for pages, layout, page in itertools.product(args.pages.split(","), args.layouts.split(","),
+                                                         map(int, args.page_sizes.split(","))):
+                s = setup(b, batch, ctx, cache_dtype, pages == "in_order", layout == "head", page)
                 splits = choose_num_kv_splits(batch, NUM_KV_HEADS, ctx, torch.device("cuda"))
                 row = {"batch": batch, "ctx": ctx, "cache": dtype_name, "pages": pages, "layout": layout,
-                       "splits": splits}
+                       "page_size": page, "splits": splits}
                 out = torch.empty_like(s["q"])
                 for name in args.variants.split(","):
                     block_n, warps, stages = parse_variant(name)
@@ -95,7 +100,7 @@ def main() -> None:
                     except Exception as e:  # noqa: BLE001 - a tile the compiler cannot fit: say so, go on
                         row[name] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
                 results["cases"].append(row)
-                print(f"{batch}x{ctx} {dtype_name} {pages} {layout} splits={splits}: " + ", ".join(
+                print(f"{batch}x{ctx} {dtype_name} {pages} {layout} page={page} splits={splits}: " + ", ".join(
                     f"{k} {v['us']} us {v['of_copy']:.2f}" if "us" in v else f"{k} failed"
                     for k, v in row.items() if isinstance(v, dict)), flush=True)
                 del s

@@ -26,14 +26,15 @@ DEVICE = "cuda"
 
 def make_engine(model: str | None, device: str, dtype: str, *, load_format: str = "auto", kv_mib: int | None = 2048,
                 gpu_fraction: float = 0.9, loaded=None, enforce_eager: bool = False, kv_cache_dtype: str = "auto",
-                kv_cache_layout: str = "auto",
+                kv_cache_layout: str = "auto", block_size: int = 16,
                 async_scheduling: bool | None = None, max_cuda_graph_batch_size: int | None = None,
                 profile_dir: str | None = None, profile_steps: tuple[int, int] = (16, 16), **scheduler) -> LLMEngine:
     config = EngineConfig(model=model, device=device, dtype=dtype, load_format=load_format, enforce_eager=enforce_eager,
                           async_scheduling=async_scheduling, max_cuda_graph_batch_size=max_cuda_graph_batch_size,
                           profile_dir=profile_dir, profile_steps=profile_steps,
                           cache=CacheConfig(kv_cache_memory_mib=kv_mib, gpu_memory_fraction=gpu_fraction,
-                                            kv_cache_dtype=kv_cache_dtype, kv_cache_layout=kv_cache_layout),
+                                            kv_cache_dtype=kv_cache_dtype, kv_cache_layout=kv_cache_layout,
+                                            block_size=block_size),
                           scheduler=SchedulerConfig(**scheduler))
     return LLMEngine(config, loaded=loaded, metrics=EngineMetrics("bench", registry=CollectorRegistry()))
 

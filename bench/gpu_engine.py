@@ -218,6 +218,8 @@ def main() -> None:
                              "fp8, whose twice as many blocks hold 384 sequences of 2000 tokens without preemption)")
     parser.add_argument("--offline-kv-layouts", default="auto",
                         help="comma-separated --kv-cache-layout values the offline sections run in turn (A/B)")
+    parser.add_argument("--offline-block-sizes", default="16",
+                        help="comma-separated --block-size values the offline sections run in turn (A/B)")
     parser.add_argument("--offline-profile-steps", default="",
                         help="START:COUNT: torch.profiler over those engine steps of each offline run, written to "
                              "--out/offline_profile_<kv>_seqs<N> (slows the run: time it without)")
@@ -266,14 +268,16 @@ def main() -> None:
         prompt_len, output_len = map(int, args.offline_lens.split(","))
         for name, kv_cache_dtype, default_seqs in (("offline", "auto", "256"), ("offline_fp8", "fp8", "384")):
             seq_counts = map(int, (args.offline_max_num_seqs or default_seqs).split(","))
-            for max_num_seqs, layout in itertools.product(seq_counts, args.offline_kv_layouts.split(",")):
+            for max_num_seqs, layout, block_size in itertools.product(
+                    seq_counts, args.offline_kv_layouts.split(","), map(int, args.offline_block_sizes.split(","))):
                 profile = {}
                 if args.offline_profile_steps:
                     start, count = map(int, args.offline_profile_steps.split(":"))
                     profile = {"profile_dir": os.path.join(args.out, f"offline_profile_{name}_seqs{max_num_seqs}"),
                                "profile_steps": (start, count)}
                 section(name, gpu_perf.offline, loaded, results, args.offline_requests, prompt_len, output_len,
-                        kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, kv_cache_layout=layout, **profile)
+                        kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, kv_cache_layout=layout,
+                        block_size=block_size, **profile)
     print(json.dumps({**results, "errors": list(errors)}, indent=1))
 
 

@@ -223,11 +223,11 @@ def _idle_gaps(idle_ms: list[float], gpu_timer) -> dict:
 def offline(loaded, results: dict, num_requests: int, prompt_len: int = 1000, output_len: int = 1000,
             kv_cache_dtype: str = "auto", max_num_seqs: int = 256, time_limit_s: float = 240.0,
             profile_dir: str | None = None, profile_steps: tuple[int, int] = (16, 16),
-            kv_cache_layout: str = "auto") -> None:
+            kv_cache_layout: str = "auto", block_size: int = 16) -> None:
     # The server's defaults (graphs up to --max-num-seqs included): this measures the configuration `serve` ships.
     # `profile_dir`: the engine's torch.profiler over `profile_steps` (serve --profile-dir); it slows those steps.
     engine = _engine(loaded, kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, profile_dir=profile_dir,
-                     profile_steps=profile_steps, kv_cache_layout=kv_cache_layout)
+                     profile_steps=profile_steps, kv_cache_layout=kv_cache_layout, block_size=block_size)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i in range(num_requests):
         engine.add_request(engine.input_processor.process(f"o{i}", _random_prompt(prompt_len, 1000 + i), params))
@@ -261,10 +261,12 @@ def offline(loaded, results: dict, num_requests: int, prompt_len: int = 1000, ou
         split["idle_gaps"] = _idle_gaps(idle, gpu_timer)
     weights = loaded.quantization.quantization if loaded.quantization else "none"
     weights_tag = "" if weights == "none" else weights.replace(" ", "_") + "_weights_"
-    layout_tag = "" if kv_cache_layout == "auto" else f"_{kv_cache_layout}"
+    layout_tag = ("" if kv_cache_layout == "auto" else f"_{kv_cache_layout}") + (
+        "" if block_size == 16 else f"_block{block_size}")
     key = f"offline_{weights_tag}{'fp8' if kv_cache_dtype == 'fp8' else 'bf16'}_kv{layout_tag}_seqs{max_num_seqs}"
     results[key] = {
         "requests": num_requests, "max_num_seqs": max_num_seqs, "kv_cache_layout": kv_cache_layout,
+        "block_size": block_size,
         "prompt_tokens": prompt_len, "output_tokens": output_len,
         "finished": not engine.has_unfinished, "elapsed_s": round(elapsed, 1), "output_tokens_done": num_out,
         "steps": steps, "output_tok_s": round(num_out / elapsed, 1), "preemptions": engine.scheduler.num_preemptions,
