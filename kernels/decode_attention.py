@@ -266,8 +266,8 @@ def paged_decode_attention(
     )
     group = num_q_heads // num_kv_heads
     fp16_dots = k_cache.dtype == FP8_DTYPE and q.dtype != torch.float32
-    block_n, launch_opts = _decode_tiles(q.dtype, fp16_dots, num_seqs * num_kv_heads * num_kv_splits, q.device,
-                                         block_n, num_warps, num_stages)
+    block_n, launch_opts = _decode_tiles(q.dtype, fp16_dots, num_seqs * num_kv_heads * num_kv_splits, head_dim,
+                                         q.device, block_n, num_warps, num_stages)
     append_args, append_opts = append_launch_args(append, q, k_cache)
     part_o, part_lse, part_strides = _split_buffers(out, num_kv_splits)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
@@ -326,7 +326,8 @@ def decode_launch_variants(q_dtype: torch.dtype, k_cache: torch.Tensor) -> list[
     sms = num_sms(k_cache.device)
     tiles = []
     for num_programs in (1, 4 * sms + 1, _MIN_ONE_WARP_PROGRAMS * sms + 1):  # each grid regime of `_decode_tiles`
-        block_n, opts = _decode_tiles(q_dtype, fp16_dots, num_programs, k_cache.device, None, None, None)
+        block_n, opts = _decode_tiles(q_dtype, fp16_dots, num_programs, k_cache.shape[-1], k_cache.device, None, None,
+                                      None)
         tile = (block_n, opts.get("num_warps"), opts.get("num_stages"))
         if tile not in tiles:
             tiles.append(tile)
@@ -339,7 +340,7 @@ _MIN_ONE_WARP_PROGRAMS = 6
 _ONE_WARP = os.environ.get("KERNELS_FP8_DECODE_ONE_WARP", "1") != "0"
 
 
-def _decode_tiles(dtype: torch.dtype, fp16_dots: bool, num_programs: int, device: torch.device,
+def _decode_tiles(dtype: torch.dtype, fp16_dots: bool, num_programs: int, head_dim: int, device: torch.device,
                   block_n: int | None, num_warps: int | None, num_stages: int | None) -> tuple[int, dict]:
     """(BLOCK_N, launch options) for q's dtype and the grid's size; the caller's overrides win."""
     if is_interpreter():
@@ -359,8 +360,10 @@ def _decode_tiles(dtype: torch.dtype, fp16_dots: bool, num_programs: int, device
         # holds one below five) but take 160 KiB of shared memory, one program a multiprocessor: they win while
         # the grid is small; past 4 programs a multiprocessor, three stages (two programs each) win (2026-11-27:
         # 64 x 4,096 0.58 -> 0.82, 16 x 4,096 0.52 -> 0.66, 1 x 16,384 0.40 -> 0.42).
+        # (measured at head_dim 128; one warp holding a wider head's query and accumulator would spill)
         is_hopper = is_hopper_or_later(device)
-        if _ONE_WARP and is_hopper and num_programs > _MIN_ONE_WARP_PROGRAMS * num_sms(device):
+        if (_ONE_WARP and is_hopper and head_dim <= 128
+                and num_programs > _MIN_ONE_WARP_PROGRAMS * num_sms(device)):
             return block_n or 16, {"num_warps": num_warps or 1, "num_stages": num_stages or 6}
         block_n = block_n or 128
         num_warps = num_warps or 4
