@@ -325,7 +325,7 @@ def decode_launch_variants(q_dtype: torch.dtype, k_cache: torch.Tensor) -> list[
     fp16_dots = k_cache.dtype == FP8_DTYPE and q_dtype != torch.float32
     sms = num_sms(k_cache.device)
     tiles = []
-    for num_programs in (1, 4 * sms + 1, _MIN_ONE_WARP_PROGRAMS * sms + 1):  # each grid regime of `_decode_tiles`
+    for num_programs in (1, _MAX_SMALL_GRID_PROGRAMS * sms + 1, _MIN_ONE_WARP_PROGRAMS * sms + 1):  # each regime
         block_n, opts = _decode_tiles(q_dtype, fp16_dots, num_programs, k_cache.shape[-1], k_cache.device, None, None,
                                       None)
         tile = (block_n, opts.get("num_warps"), opts.get("num_stages"))
@@ -334,8 +334,10 @@ def decode_launch_variants(q_dtype: torch.dtype, k_cache: torch.Tensor) -> list[
     return [DecodeLaunch(num_kv_splits, *tile) for num_kv_splits in (1, 2) for tile in tiles]
 
 
-# fp8 K/V: from this many programs a multiprocessor (Hopper) each program is one warp over 16-token tiles;
-# `KERNELS_FP8_DECODE_ONE_WARP=0` keeps four warps on every grid (the A/B switch of bench/gpu_engine.py)
+# fp8 K/V on Hopper, by programs a multiprocessor: up to 4 five-stage 128-token tiles, past 6 one warp over 16-token
+# tiles, four warps on three stages between; `KERNELS_FP8_DECODE_ONE_WARP=0` keeps four warps on every grid (the A/B
+# switch of bench/gpu_engine.py)
+_MAX_SMALL_GRID_PROGRAMS = 4
 _MIN_ONE_WARP_PROGRAMS = 6
 _ONE_WARP = os.environ.get("KERNELS_FP8_DECODE_ONE_WARP", "1") != "0"
 
@@ -367,7 +369,7 @@ def _decode_tiles(dtype: torch.dtype, fp16_dots: bool, num_programs: int, head_d
             return block_n or 16, {"num_warps": num_warps or 1, "num_stages": num_stages or 6}
         block_n = block_n or 128
         num_warps = num_warps or 4
-        is_small_grid = num_programs <= 4 * num_sms(device) and is_hopper
+        is_small_grid = num_programs <= _MAX_SMALL_GRID_PROGRAMS * num_sms(device) and is_hopper
         num_stages = num_stages or (5 if is_small_grid else 3)
         return block_n, {"num_warps": num_warps, "num_stages": num_stages}
     block_n = block_n or (32 if fp32 else 64)

@@ -96,8 +96,10 @@ class TritonPagedAttention:
             # its KV head's whole context (a GQA group reads it group times over); the decode kernel
             # reads it once for the group. In a mixed step of a few prefills and hundreds of long
             # decodes that is most of the step's attention time.
-            launches = [launch._asdict() for launch in self._every_variant or ()] or [
-                {"num_kv_splits": self._num_kv_splits(num_decodes, metadata.max_seq_len, k_cache)}]
+            if self._every_variant is not None:
+                launches = [launch._asdict() for launch in self._every_variant]
+            else:
+                launches = [{"num_kv_splits": self._num_kv_splits(num_decodes, metadata.max_seq_len, k_cache)}]
             for launch in launches:
                 kern.paged_decode_attention(
                     q[:num_decodes], k_cache, v_cache, metadata.block_tables[:num_decodes],
