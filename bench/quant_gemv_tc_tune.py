@@ -7,9 +7,15 @@ variants at 1 row); weights rotated over > 256 MB so every call reads memory, CU
 packed weight read. Prints one JSON line a case and writes them to --out.
 
 Weights in row tiles as the engine loads them (`--row-major`: the plain layout); `split_tc`: the prologue in a
-launch of its own, then the plain GEMV (one row's route, `kernels.quant_gemv.ONE_ROW`).
+launch of its own, then the plain GEMV (one row's route, `kernels.quant_gemv.ONE_ROW`). `--few-warps`: at one
+row, also programs of 1 and 2 warps (Triton's `mma.sync` instead of a warpgroup's `wgmma`) with K split deeper.
+
+`--row-blocks`: large batches instead (--rows 64,256): the plain projections through the tensor-core GEMM
+(`gemm`), bf16 cuBLAS on a bf16 weight of the same shape (`bf16`, the reference), and `quant_gemv_tc` in row
+blocks, default and tile variants (block_m, block_n, warps, stages, split).
 
 Usage: python bench/quant_gemv_tc_tune.py --out FILE [--rows 1,2,4,8,16] [--quick] [--row-major]  (GPU, ~2 min)
+       python bench/quant_gemv_tc_tune.py --out FILE --row-blocks --rows 64,256
 """
 
 # isort: split
@@ -24,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 from gpu_common import graph_seconds  # noqa: E402
 
 from kernels.activation import silu_and_mul  # noqa: E402
@@ -65,7 +72,11 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="defaults only, no tile variants")
     p.add_argument("--plain", action="store_true", help="tile variants without the fused options")
     p.add_argument("--row-major", action="store_true", help="weights in the row-major layout, not row tiles")
+    p.add_argument("--few-warps", action="store_true", help="one row: also 1- and 2-warp programs")
+    p.add_argument("--row-blocks", action="store_true", help="large batches: row blocks against the GEMM and bf16")
     args = p.parse_args()
+    if args.row_blocks:
+        return row_blocks(args)
     rows_out = []
     for num_rows in [int(r) for r in args.rows.split(",")]:
         for name, n, k, options in PROJECTIONS:
@@ -95,6 +106,11 @@ def main() -> None:
                         for stages in (2, 3):
                             tile = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_stages": stages}
                             cases.append((f"tc_{block_n}_{block_k}_s{split_k}_{stages}", None, tile))
+                for warps in (1, 2) if args.few_warps else ():
+                    for split_k in (split, split * 2, split * 4):
+                        for stages in (3, 4):
+                            tile = {"block_n": 64, "split_k": split_k, "num_warps": warps, "num_stages": stages}
+                            cases.append((f"tc_64_w{warps}_s{split_k}_{stages}", None, tile))
             for label, fn, tile in cases:
                 call = fn or ((lambda w, **t: quant_gemv_tc(plain, w, **t)) if args.plain
                               else (lambda w, **t: quant_gemv_tc(x, w, **kwargs, **t)))
@@ -109,6 +125,56 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
             ws.clear()
             torch.cuda.empty_cache()
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows_out}, f, indent=1)
+
+
+def row_blocks(args) -> None:
+    """Large batches: the plain projections, every --rows, GEMM / bf16 cuBLAS / row-block tiles."""
+    rows_out = []
+    for num_rows in [int(r) for r in args.rows.split(",")]:
+        for name, n, k, _ in PROJECTIONS:
+            copies = max(2, (256 << 20) // (n * k // 2))
+            ws = [random_weight(n, k, args.awq, args.row_major) for _ in range(copies)]
+            x = torch.randn(num_rows, k, device="cuda", dtype=torch.bfloat16)
+            dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            default = quant_gemv_tc_config(n, k, 128, x.device, tiled=not args.row_major, num_rows=num_rows)
+            cases = [("bf16", lambda w, **t: x @ dense.T, {}), ("gemm", lambda w, **t: quant_gemm(x, w), {}),
+                     ("tc_default", None, {})]
+            if not args.quick:
+                block_ms = sorted({min(b, max(16, triton.next_power_of_2(num_rows))) for b in (64, 128, 256)})
+                for block_m in block_ms:
+                    for block_n in (64, 128):
+                        for warps in (4, 8):
+                            for stages in (3, 4):
+                                for split_k in sorted({1, default["split_k"]}):
+                                    tile = {"block_m": block_m, "block_n": block_n, "num_warps": warps,
+                                            "num_stages": stages, "split_k": split_k}
+                                    cases.append((f"tc_m{block_m}_n{block_n}_w{warps}_{stages}_s{split_k}", None,
+                                                  tile))
+            for label, fn, tile in cases:
+                call = fn or (lambda w, **t: quant_gemv_tc(x, w, **t))
+                try:
+                    seconds = graph_seconds(lambda call=call, tile=tile: [call(w, **tile) for w in ws])
+                except Exception as exc:  # noqa: BLE001 - a tile past the shared-memory or register budget
+                    print(json.dumps({"rows": num_rows, "proj": name, "case": label, "error": str(exc)[:120]}))
+                    continue
+                us = seconds / copies * 1e6
+                row = {"rows": num_rows, "proj": name, "case": label, "us": round(us, 2),
+                       "tflops": round(2 * num_rows * n * k / us / 1e6, 1), "default": default}
+                rows_out.append(row)
+                print(json.dumps(row), flush=True)
+            ws.clear()
+            torch.cuda.empty_cache()
+    best = {}
+    for r in rows_out:
+        key = (r["rows"], r["proj"])
+        if r["case"].startswith("tc_m") and (key not in best or r["us"] < best[key]["us"]):
+            best[key] = r
+    for (num_rows, proj), r in sorted(best.items()):
+        ref = {c["case"]: c["us"] for c in rows_out if c["rows"] == num_rows and c["proj"] == proj}
+        print(f"rows {num_rows} {proj}: bf16 {ref.get('bf16')} gemm {ref.get('gemm')} tc_default "
+              f"{ref.get('tc_default')} best {r['case']} {r['us']} us")
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows_out}, f, indent=1)
 

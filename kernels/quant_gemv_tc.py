@@ -1,4 +1,5 @@
-"""The decode GEMV for 4-bit codes on the tensor cores: y = x @ dequant(w).T with 1..16 rows of x.
+"""The decode GEMV for 4-bit codes on the tensor cores: y = x @ dequant(w).T with 1..16 rows of x, and the
+same kernel over row blocks of x for larger batches (`block_m` rows a program).
 
 The CUDA-core GEMV (`quant_gemv`) spends ~6 instructions a weight (nibble extraction, conversion, one
 multiply-add, the per-group reductions), so on a Hopper it issues instructions at its limit while memory
@@ -7,7 +8,7 @@ sizes, and a weight costs ~1.75 instructions (shared-memory load included; 2.9-3
 loop against 6.3):
 
 - the kernel computes y^T = w @ x^T, the weight as the MMA's A operand (taken from registers: it is
-  widened there) and x^T, padded to 16 columns, as B;
+  widened there) and x^T, padded to 16 columns (or a block of `block_m` rows), as B;
 - two bytes (four codes) become two bf16x2 (fp16x2) registers in four instructions: the bytes spread
   into the low bytes of both halves of a word (`prmt`), each nibble OR-ed into the mantissa of MAGIC
   (`lop3`; 128 in bf16, 1024 in fp16, whose unit in the last place is 1), so a register holds
@@ -44,12 +45,10 @@ from kernels._common import (
     num_sms,
     pdl_args,
     pdl_enter,
-    require,
 )
 from kernels.quant_layout import IntPackedWeight, _magic_plus
 
-MAX_ROWS = 16  # x^T padded to the MMA's smallest N
-PAD_ROWS = tl.constexpr(MAX_ROWS)
+MAX_ROWS = 16  # x^T padded to the MMA's smallest N: a decode call's rows, in one row block
 
 
 # two bytes (in the low half of $2) -> MAGIC + each low nibble ($0) and each high nibble ($1), MAGIC_BITS two
@@ -91,8 +90,8 @@ def _minus(a, b):
 @triton.jit
 def _x_planes(x_ptr, nw_ptr, perm_ptr, cols, offs_m, M, K, stride_xm, squares,
               GATED: tl.constexpr, NORM: tl.constexpr, HAS_PERM: tl.constexpr, ACT: tl.constexpr):
-    """x^T at columns `cols` [BK/2] through the fused prologue: (ACT [BK/2, 16], squares + this tile's sum of
-    x^2 per row [16])."""
+    """x^T at columns `cols` [BK/2] through the fused prologue: (ACT [BK/2, BM], squares + this tile's sum of
+    x^2 per row [BM])."""
     if HAS_PERM:
         cols = tl.load(perm_ptr + cols)
     at = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + cols[:, None]
@@ -110,10 +109,10 @@ def _x_planes(x_ptr, nw_ptr, perm_ptr, cols, offs_m, M, K, stride_xm, squares,
 @triton.jit
 def _sub_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, c0, offs_m, M, K, stride_s, stride_xm, squares,
               GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-              GATED: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, SUB_K: tl.constexpr,
-              MAGIC: tl.constexpr, ACT: tl.constexpr):
+              GATED: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+              SUB_K: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr):
     """Columns c0 .. c0 + SUB_K (inside one group) of rows `rows`, their bytes at `q_at` [BN, SUB_K/2]:
-    (scale * sum(x * (q - z)) fp32 [BN, 16], squares)."""
+    (scale * sum(x * (q - z)) fp32 [BN, BM], squares)."""
     b = tl.arange(0, SUB_K // 2)
     plane_cols = (b // 16) * 32 + b % 16  # plane lo's columns; plane hi's are 16 further
     byte = tl.load(q_at)  # [BN, SUB_K/2] uint8
@@ -127,7 +126,7 @@ def _sub_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, c0, offs_m, M, 
         zero = _magic_plus(tl.load(z_ptr + rows * stride_s + group).to(tl.int16), ACT)[:, None]
     else:
         zero = tl.full((BLOCK_N, 1), MAGIC + ZERO, ACT)
-    part = mma(_minus(w_lo, zero), x_lo, tl.zeros((BLOCK_N, PAD_ROWS), dtype=tl.float32), "tf32", _INTERPRETED)
+    part = mma(_minus(w_lo, zero), x_lo, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), "tf32", _INTERPRETED)
     part = mma(_minus(w_hi, zero), x_hi, part, "tf32", _INTERPRETED)
     return part * tl.load(s_ptr + rows * stride_s + group).to(tl.float32)[:, None], squares
 
@@ -135,17 +134,17 @@ def _sub_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, c0, offs_m, M, 
 @triton.jit
 def _k_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, k0, offs_m, M, K, stride_s, stride_xm, squares,
             GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-            GATED: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            SUB_K: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr):
+            GATED: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr):
     """Columns k0 .. k0 + BLOCK_K of rows `rows` in sub-tiles of SUB_K columns, each inside one group (groups of 32
-    take four a 128-wide tile): (their scaled sums fp32 [BN, 16], squares)."""
+    take four a 128-wide tile): (their scaled sums fp32 [BN, BM], squares)."""
     acc, squares = _sub_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, k0, offs_m, M, K, stride_s,
-                             stride_xm, squares, GROUP, ZERO, HAS_ZEROS, HAS_PERM, GATED, NORM, BLOCK_N, SUB_K,
-                             MAGIC, ACT)
+                             stride_xm, squares, GROUP, ZERO, HAS_ZEROS, HAS_PERM, GATED, NORM, BLOCK_N, BLOCK_M,
+                             SUB_K, MAGIC, ACT)
     for j in tl.static_range(1, BLOCK_K // SUB_K):
         part, squares = _sub_tile(x_ptr, perm_ptr, nw_ptr, q_at + j * (SUB_K // 2), s_ptr, z_ptr, rows,
                                   k0 + j * SUB_K, offs_m, M, K, stride_s, stride_xm, squares, GROUP, ZERO, HAS_ZEROS,
-                                  HAS_PERM, GATED, NORM, BLOCK_N, SUB_K, MAGIC, ACT)
+                                  HAS_PERM, GATED, NORM, BLOCK_N, BLOCK_M, SUB_K, MAGIC, ACT)
         acc += part
     return acc, squares
 
@@ -158,14 +157,14 @@ def _quant_gemv_tc_kernel(
     nw_ptr,  # [K] RMSNorm weight, or any pointer when not NORM
     r_ptr,  # [M, N] residual, or any pointer when not RESIDUAL
     y_ptr,  # [M, N]
-    ws_ptr,  # [SPLIT_K, 16, N] fp32 partials (zero), or any pointer when SPLIT_K == 1
-    count_ptr,  # [cdiv(N, BLOCK_N)] int32 arrivals (zero), or any pointer when SPLIT_K == 1
+    ws_ptr,  # [SPLIT_K, M_pad, N] fp32 partials (zero), or any pointer when SPLIT_K == 1
+    count_ptr,  # [row blocks, cdiv(N, BLOCK_N)] int32 arrivals (zero), or any pointer when SPLIT_K == 1
     qs_ptr, s_ptr, z_ptr, stride_qs, stride_s,  # the packed weight (4-bit codes, no offsets)
     M, N, K, eps, stride_xm, stride_rm, stride_ym,
     GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    USE_PDL: tl.constexpr, TILE_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, TILE_N: tl.constexpr,
 ):
     ACT: tl.constexpr = x_ptr.dtype.element_ty
     MAGIC: tl.constexpr = 128.0 if ACT == tl.bfloat16 else 1024.0
@@ -174,10 +173,10 @@ def _quant_gemv_tc_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N read row N - 1 and are never stored
-    offs_m = tl.arange(0, PAD_ROWS)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     b = tl.arange(0, SUB_K // 2)  # a sub-tile's bytes in a row (`_k_tile` steps through the K tile's)
-    acc = tl.zeros((BLOCK_N, PAD_ROWS), dtype=tl.float32)
-    squares = tl.zeros((PAD_ROWS,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     k_split = tl.cdiv(K // BLOCK_K, SPLIT_K) * BLOCK_K  # K is a multiple of BLOCK_K
     k_begin = tl.multiple_of(tl.program_id(1) * k_split, BLOCK_K)
     if TILE_N == 0:  # the byte offset of each row's K step 0 (`quant_tiles.qs_offsets`, hoisted)
@@ -194,31 +193,32 @@ def _quant_gemv_tc_kernel(
             q_at = qs_ptr + q_rows[:, None] + (k0 // 128) * (TILE_N * 64) + (k0 // 2) % 64 + b[None, :]
         part, squares = _k_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, k0, offs_m, M, K, stride_s,
                                 stride_xm, squares, GROUP, ZERO, HAS_ZEROS, HAS_PERM, GATED, NORM, BLOCK_N,
-                                BLOCK_K, SUB_K, MAGIC, ACT)
+                                BLOCK_M, BLOCK_K, SUB_K, MAGIC, ACT)
         acc += part
-    ws_at = offs_m[None, :] * N + offs_n[:, None]  # [BN, 16] in one split's [16, N] slab
     if SPLIT_K > 1:
-        tl.store(ws_ptr + tl.program_id(1) * PAD_ROWS * N + ws_at, acc, mask=n_mask[:, None])
+        slab = tl.num_programs(2) * BLOCK_M * N  # one split's [M_pad, N] partials
+        ws_at = offs_m[None, :] * N + offs_n[:, None]  # [BN, BM]
+        tile = tl.program_id(2) * tl.num_programs(0) + pid_n  # this output tile's counter
+        tl.store(ws_ptr + tl.program_id(1) * slab + ws_at, acc, mask=n_mask[:, None])
         # NOTE: one thread's release does not publish the other threads' stores (seen on an H200: the rows
         # other lanes held went missing): each thread fences its own before the arrival
         _fence_gpu(pid_n)
         tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:  # the last program of this column tile: sum and finish
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last program of this output tile: sum and finish
             tl.debug_barrier()
             _fence_gpu(pid_n)
-            acc = tl.zeros((BLOCK_N, PAD_ROWS), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for split in range(SPLIT_K):
-                acc += tl.load(ws_ptr + split * PAD_ROWS * N + ws_at, mask=n_mask[:, None], other=0.0,
-                               cache_modifier=".cg")
+                acc += tl.load(ws_ptr + split * slab + ws_at, mask=n_mask[:, None], other=0.0, cache_modifier=".cg")
             # NOTE: the zeros are stored by other threads than the ones that loaded (the layouts differ):
             # every load before any of them
             tl.debug_barrier()
             for split in range(SPLIT_K):
-                tl.store(ws_ptr + split * PAD_ROWS * N + ws_at, tl.zeros_like(acc), mask=n_mask[:, None])
-            tl.store(count_ptr + pid_n, 0)
+                tl.store(ws_ptr + split * slab + ws_at, tl.zeros_like(acc), mask=n_mask[:, None])
+            tl.store(count_ptr + tile, 0)
             if NORM:  # every program saw only its K range of x: the norm's sums again, whole
-                squares = _row_squares(x_ptr, offs_m, M, K, stride_xm)
+                squares = _row_squares(x_ptr, offs_m, M, K, stride_xm, BLOCK_M)
             _finish(acc, squares, b_ptr, r_ptr, y_ptr, offs_n, n_mask, offs_m, M, K, eps, stride_rm, stride_ym,
                     HAS_BIAS, NORM, RESIDUAL)
     else:
@@ -235,9 +235,9 @@ def _fence_gpu(token):
 
 
 @triton.jit
-def _row_squares(x_ptr, offs_m, M, K, stride_xm):
-    """Sum of x^2 over each row's K columns [16] (the RMSNorm's), in chunks of 1024."""
-    squares = tl.zeros((PAD_ROWS,), dtype=tl.float32)
+def _row_squares(x_ptr, offs_m, M, K, stride_xm, BLOCK_M: tl.constexpr):
+    """Sum of x^2 over each row's K columns [BM] (the RMSNorm's), in chunks of 1024."""
+    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     cols = tl.arange(0, 1024)
     for k0 in range(0, K, 1024):
         x = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + cols)[:, None],
@@ -249,7 +249,7 @@ def _row_squares(x_ptr, offs_m, M, K, stride_xm):
 @triton.jit
 def _finish(acc, squares, b_ptr, r_ptr, y_ptr, offs_n, n_mask, offs_m, M, K, eps, stride_rm, stride_ym,
             HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
-    """y^T tile [BN, 16] = acc (/ rms) (+ bias) (+ residual), rounded to y's dtype, rows < M stored."""
+    """y^T tile [BN, BM] = acc (/ rms) (+ bias) (+ residual), rounded to y's dtype, rows < M stored."""
     if NORM:
         acc = acc / tl.sqrt(squares / K + eps)[None, :]
     if HAS_BIAS:
@@ -274,26 +274,33 @@ def takes_tensor_cores(w: IntPackedWeight, x: torch.Tensor) -> bool:
 
 
 def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_prologue: bool = False,
-                         tiled: bool = False) -> dict:
+                         tiled: bool = False, num_rows: int = 1) -> dict:
     """Tiles an H100 and an H200 measured best at one row (bench/quant_gemv_tc_tune.py, 2026-11-27): 64 output
     columns a program (a warpgroup's MMA), 128 for the wide weights and for long ones with a fused prologue (which
     every program computes again: wider tiles share it) or in row tiles (`tiled`; down plain 21.4 -> 17.4 us on
     an H200, bench/tc_gemv_probe.py), a 128-wide K tile in sub-tiles of one group each (groups of 32: four), 3
-    stages, and K split until the grid holds 1.5 programs an SM."""
+    stages, and K split until the grid holds 1.5 programs an SM (while the partials fit the workspace).
+    Past MAX_ROWS rows x comes in row blocks of `block_m` (the MMA's N)."""
     block_k = min(128, k & -k)
     sub_k = min(block_k, group & -group)
+    block_m = MAX_ROWS if num_rows <= MAX_ROWS else (64 if num_rows <= 64 else 128)
     # NOTE: sub-tiles of 32 columns on 128-wide tiles take Triton's layouts through shared memory (SASS: 8.2
     # instructions a weight against 5.3 on 64-wide tiles)
-    block_n = 128 if sub_k >= 64 and (n >= 16384 or (k >= 8192 and (has_prologue or tiled))) else 64
-    tiles = triton.cdiv(n, block_n)
+    wide = block_m == MAX_ROWS and sub_k >= 64 and (n >= 16384 or (k >= 8192 and (has_prologue or tiled)))
+    block_n = 128 if wide else 64
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(num_rows, block_m)
     split = 1
-    while tiles * split < 1.5 * num_sms(device) and k // (split * 2) >= 4 * block_k:
+    while (tiles * split < 1.5 * num_sms(device) and k // (split * 2) >= 4 * block_k
+           and 2 * split * triton.cdiv(num_rows, block_m) * block_m * n <= WORKSPACE_FLOATS):
         split *= 2
-    return {"block_n": block_n, "block_k": block_k, "sub_k": sub_k, "split_k": split, "num_warps": 4,
-            "num_stages": 3}
+    return {"block_n": block_n, "block_m": block_m, "block_k": block_k, "sub_k": sub_k, "split_k": split,
+            "num_warps": 4, "num_stages": 3}
 
 
 _WORKSPACES: dict = {}
+# NOTE: sized for every layer of a large model at once (16 MB): a CUDA graph capture must not be the call that
+# grows it, so the default split never needs more (`quant_gemv_tc_config`)
+WORKSPACE_FLOATS = 1 << 22
 
 
 def _workspace(device: torch.device, num_floats: int, num_counters: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,9 +308,7 @@ def _workspace(device: torch.device, num_floats: int, num_counters: int) -> tupl
     launches on one stream never overlap: each waits for the previous kernel before it touches them)."""
     ws, counts = _WORKSPACES.get(device, (None, None))
     if ws is None or ws.numel() < num_floats or counts.numel() < num_counters:
-        # NOTE: sized for every layer of a large model at once (16 MB): a CUDA graph capture must not
-        # be the call that grows it
-        ws = torch.zeros(max(num_floats, 1 << 22), dtype=torch.float32, device=device)
+        ws = torch.zeros(max(num_floats, WORKSPACE_FLOATS), dtype=torch.float32, device=device)
         counts = torch.zeros(max(num_counters, 1 << 14), dtype=torch.int32, device=device)
         _WORKSPACES[device] = (ws, counts)
     return ws, counts
@@ -311,30 +316,34 @@ def _workspace(device: torch.device, num_floats: int, num_counters: int) -> tupl
 
 def quant_gemv_tc(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = None, *, gated: bool = False,
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
-                  split_k: int | None = None, num_warps: int | None = None,
+                  out: torch.Tensor | None = None, block_n: int | None = None, block_m: int | None = None,
+                  block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None) -> torch.Tensor:
-    """x [M, K] ([M, 2K] when gated; M <= 16) @ dequant(w).T + bias (+ residual) -> [M, N] in x's dtype, for
-    a weight `takes_tensor_cores` accepts. Arguments are checked by `quant_matmul`, the entry point."""
+    """x [M, K] ([M, 2K] when gated) @ dequant(w).T + bias (+ residual) -> [M, N] in x's dtype, for a weight
+    `takes_tensor_cores` accepts, x in row blocks of `block_m` (16, 32, ... 256). Arguments are checked by
+    `quant_matmul`, the entry point."""
     num_rows = x.shape[0]
-    require(num_rows <= MAX_ROWS, lambda: f"x: at most {MAX_ROWS} rows, got {num_rows}")
     n, k = w.shape
     if out is None:
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
-    tiles = quant_gemv_tc_config(n, k, w.group_size, x.device, gated or norm_weight is not None, w.tile_n > 0)
-    block_n, block_k = block_n or tiles["block_n"], min(block_k or tiles["block_k"], tiles["block_k"])
+    tiles = quant_gemv_tc_config(n, k, w.group_size, x.device, gated or norm_weight is not None, w.tile_n > 0,
+                                 num_rows)
+    block_n, block_m = block_n or tiles["block_n"], block_m or tiles["block_m"]
+    block_k = min(block_k or tiles["block_k"], tiles["block_k"])
     sub_k = min(block_k, tiles["sub_k"])
     split = split_k or tiles["split_k"]
-    ws, counts = _workspace(x.device, split * MAX_ROWS * n, triton.cdiv(n, block_n)) if split > 1 else (x, x)
+    num_row_blocks = triton.cdiv(num_rows, block_m)
+    ws, counts = (_workspace(x.device, split * num_row_blocks * block_m * n, num_row_blocks * triton.cdiv(n, block_n))
+                  if split > 1 else (x, x))
     opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"],
                                         "num_stages": num_stages or tiles["num_stages"]}
-    _quant_gemv_tc_kernel[(triton.cdiv(n, block_n), split)](
+    _quant_gemv_tc_kernel[(triton.cdiv(n, block_n), split, num_row_blocks)](
         x, w.perm if w.perm is not None else x, bias if bias is not None else x,
         norm_weight if norm_weight is not None else x, residual if residual is not None else x, out, ws, counts,
         w.qs, w.scales, w.zeros if w.zeros is not None else w.scales, w.qs.stride(0), w.scales.stride(0),
         num_rows, n, k, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         GROUP=w.group_size, ZERO=float(w.zero), HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None,
         HAS_BIAS=bias is not None, GATED=gated, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k, SPLIT_K=split, TILE_N=w.tile_n, **opts,
+        BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, SUB_K=sub_k, SPLIT_K=split, TILE_N=w.tile_n, **opts,
         **pdl_args(x.device))
     return out
