@@ -18,6 +18,9 @@ loop against 6.3):
 - products of 16-bit values are exact in the fp32 accumulator; each group's sum is scaled once (a K
   tile of 128 columns steps through sub-tiles of one group each: one for groups of 128, four for GGUF
   Q4_0's 32). So results equal dequantize-then-matmul up to fp32 summation order;
+- past 16 rows (row blocks, `SCALED`) the weight is scaled in x's dtype before the MMA instead, rounded as
+  the tensor-core GEMM (`quant_layout.half_planes`) rounds it: scaling each product after the MMA would make
+  every MMA wait for the previous one's result, where chained on one accumulator they overlap the widening;
 - the codes may sit in row tiles (`quant_tiles.with_row_tiles`, what the loader does on the GPU): a
   program's K step then reads one contiguous run.
 
@@ -107,12 +110,23 @@ def _x_planes(x_ptr, nw_ptr, perm_ptr, cols, offs_m, M, K, stride_xm, squares,
 
 
 @triton.jit
-def _sub_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, c0, offs_m, M, K, stride_s, stride_xm, squares,
-              GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+def _scaled(magic, magic_zero, scale):
+    """(MAGIC + q) - (MAGIC + z), times the scale (ACT [BN, 1]), rounded once to ACT: `quant_layout.half_planes`'s
+    weight, what the tensor-core GEMM multiplies."""
+    if _INTERPRETED:  # NOTE: the interpreter has no bf16 arithmetic: the same roundings in fp32
+        return cast((magic.to(tl.float32) - magic_zero.to(tl.float32)) * scale.to(tl.float32), magic.dtype)
+    else:
+        return (magic - magic_zero) * scale
+
+
+@triton.jit
+def _sub_tile(acc, x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, c0, offs_m, M, K, stride_s, stride_xm,
+              squares, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
               GATED: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-              SUB_K: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr):
-    """Columns c0 .. c0 + SUB_K (inside one group) of rows `rows`, their bytes at `q_at` [BN, SUB_K/2]:
-    (scale * sum(x * (q - z)) fp32 [BN, BM], squares)."""
+              SUB_K: tl.constexpr, SCALED: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr):
+    """acc [BN, BM] + columns c0 .. c0 + SUB_K (inside one group) of rows `rows`, their bytes at `q_at`
+    [BN, SUB_K/2]: (acc + scale * sum(x * (q - z)), squares). SCALED: the weight scaled in ACT before the MMA
+    instead (rounded as the GEMM rounds it), so the MMAs chain on acc with no fp32 work between them."""
     b = tl.arange(0, SUB_K // 2)
     plane_cols = (b // 16) * 32 + b % 16  # plane lo's columns; plane hi's are 16 further
     byte = tl.load(q_at)  # [BN, SUB_K/2] uint8
@@ -126,26 +140,27 @@ def _sub_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, c0, offs_m, M, 
         zero = _magic_plus(tl.load(z_ptr + rows * stride_s + group).to(tl.int16), ACT)[:, None]
     else:
         zero = tl.full((BLOCK_N, 1), MAGIC + ZERO, ACT)
+    scale = tl.load(s_ptr + rows * stride_s + group).to(tl.float32)[:, None]
+    if SCALED:
+        acc = mma(_scaled(w_lo, zero, cast(scale, ACT)), x_lo, acc, "tf32", _INTERPRETED)
+        return mma(_scaled(w_hi, zero, cast(scale, ACT)), x_hi, acc, "tf32", _INTERPRETED), squares
     part = mma(_minus(w_lo, zero), x_lo, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), "tf32", _INTERPRETED)
     part = mma(_minus(w_hi, zero), x_hi, part, "tf32", _INTERPRETED)
-    return part * tl.load(s_ptr + rows * stride_s + group).to(tl.float32)[:, None], squares
+    return acc + part * scale, squares
 
 
 @triton.jit
-def _k_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, k0, offs_m, M, K, stride_s, stride_xm, squares,
+def _k_tile(acc, x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, k0, offs_m, M, K, stride_s, stride_xm, squares,
             GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
             GATED: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr):
-    """Columns k0 .. k0 + BLOCK_K of rows `rows` in sub-tiles of SUB_K columns, each inside one group (groups of 32
-    take four a 128-wide tile): (their scaled sums fp32 [BN, BM], squares)."""
-    acc, squares = _sub_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, k0, offs_m, M, K, stride_s,
-                             stride_xm, squares, GROUP, ZERO, HAS_ZEROS, HAS_PERM, GATED, NORM, BLOCK_N, BLOCK_M,
-                             SUB_K, MAGIC, ACT)
-    for j in tl.static_range(1, BLOCK_K // SUB_K):
-        part, squares = _sub_tile(x_ptr, perm_ptr, nw_ptr, q_at + j * (SUB_K // 2), s_ptr, z_ptr, rows,
-                                  k0 + j * SUB_K, offs_m, M, K, stride_s, stride_xm, squares, GROUP, ZERO, HAS_ZEROS,
-                                  HAS_PERM, GATED, NORM, BLOCK_N, BLOCK_M, SUB_K, MAGIC, ACT)
-        acc += part
+            BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SCALED: tl.constexpr, MAGIC: tl.constexpr,
+            ACT: tl.constexpr):
+    """acc + columns k0 .. k0 + BLOCK_K of rows `rows` in sub-tiles of SUB_K columns, each inside one group
+    (groups of 32 take four a 128-wide tile): (acc fp32 [BN, BM], squares)."""
+    for j in tl.static_range(0, BLOCK_K // SUB_K):
+        acc, squares = _sub_tile(acc, x_ptr, perm_ptr, nw_ptr, q_at + j * (SUB_K // 2), s_ptr, z_ptr, rows,
+                                 k0 + j * SUB_K, offs_m, M, K, stride_s, stride_xm, squares, GROUP, ZERO, HAS_ZEROS,
+                                 HAS_PERM, GATED, NORM, BLOCK_N, BLOCK_M, SUB_K, SCALED, MAGIC, ACT)
     return acc, squares
 
 
@@ -164,7 +179,7 @@ def _quant_gemv_tc_kernel(
     GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, TILE_N: tl.constexpr,
+    SPLIT_K: tl.constexpr, SCALED: tl.constexpr, USE_PDL: tl.constexpr, TILE_N: tl.constexpr,
 ):
     ACT: tl.constexpr = x_ptr.dtype.element_ty
     MAGIC: tl.constexpr = 128.0 if ACT == tl.bfloat16 else 1024.0
@@ -191,10 +206,9 @@ def _quant_gemv_tc_kernel(
             q_at = qs_ptr + q_rows[:, None] + (k0 // 128) * (TILE_N * 64) + b[None, :]
         else:  # BLOCK_K < 128: a K step stays inside one tile
             q_at = qs_ptr + q_rows[:, None] + (k0 // 128) * (TILE_N * 64) + (k0 // 2) % 64 + b[None, :]
-        part, squares = _k_tile(x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, k0, offs_m, M, K, stride_s,
-                                stride_xm, squares, GROUP, ZERO, HAS_ZEROS, HAS_PERM, GATED, NORM, BLOCK_N,
-                                BLOCK_M, BLOCK_K, SUB_K, MAGIC, ACT)
-        acc += part
+        acc, squares = _k_tile(acc, x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, k0, offs_m, M, K, stride_s,
+                               stride_xm, squares, GROUP, ZERO, HAS_ZEROS, HAS_PERM, GATED, NORM, BLOCK_N, BLOCK_M,
+                               BLOCK_K, SUB_K, SCALED, MAGIC, ACT)
     if SPLIT_K > 1:
         slab = tl.num_programs(2) * BLOCK_M * N  # one split's [M_pad, N] partials
         ws_at = offs_m[None, :] * N + offs_n[:, None]  # [BN, BM]
@@ -286,7 +300,7 @@ def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_p
     block_m = MAX_ROWS if num_rows <= MAX_ROWS else (64 if num_rows <= 64 else 128)
     # NOTE: sub-tiles of 32 columns on 128-wide tiles take Triton's layouts through shared memory (SASS: 8.2
     # instructions a weight against 5.3 on 64-wide tiles)
-    wide = block_m == MAX_ROWS and sub_k >= 64 and (n >= 16384 or (k >= 8192 and (has_prologue or tiled)))
+    wide = sub_k >= 64 and (block_m > MAX_ROWS or n >= 16384 or (k >= 8192 and (has_prologue or tiled)))
     block_n = 128 if wide else 64
     tiles = triton.cdiv(n, block_n) * triton.cdiv(num_rows, block_m)
     split = 1
@@ -294,7 +308,7 @@ def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_p
            and 2 * split * triton.cdiv(num_rows, block_m) * block_m * n <= WORKSPACE_FLOATS):
         split *= 2
     return {"block_n": block_n, "block_m": block_m, "block_k": block_k, "sub_k": sub_k, "split_k": split,
-            "num_warps": 4, "num_stages": 3}
+            "num_warps": 8 if block_m > MAX_ROWS else 4, "num_stages": 3}
 
 
 _WORKSPACES: dict = {}
@@ -344,6 +358,7 @@ def quant_gemv_tc(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None
         num_rows, n, k, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         GROUP=w.group_size, ZERO=float(w.zero), HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None,
         HAS_BIAS=bias is not None, GATED=gated, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-        BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, SUB_K=sub_k, SPLIT_K=split, TILE_N=w.tile_n, **opts,
+        BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, SUB_K=sub_k, SPLIT_K=split, SCALED=block_m > MAX_ROWS,
+        TILE_N=w.tile_n, **opts,
         **pdl_args(x.device))
     return out

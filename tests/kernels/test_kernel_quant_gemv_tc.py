@@ -143,7 +143,8 @@ def test_groups_of_32_take_the_tensor_cores_from_two_rows(num_rows, monkeypatch)
 @pytest.mark.parametrize("num_rows,block_m,split_k", [(17, 16, 1), (40, 32, 2), (33, 64, 1), (70, 64, 4)])
 def test_row_blocks_past_sixteen_rows(variant, num_rows, block_m, split_k):
     """Past 16 rows x comes in row blocks (the last one partial), each block's split-K partials in its own
-    slab and counter; `quant_matmul` sends these rows here (not to the GEMM), the same bits."""
+    slab and counter; blocks past 16 rows scale the weight before the MMA, rounded to bf16 as the GEMM rounds
+    it; `quant_matmul` sends these rows here (not to the GEMM), the same bits."""
     gen = torch.Generator().manual_seed(num_rows + block_m + split_k)
     n, k = SHAPES[0]
     w = random_packed(n, k, *VARIANTS[variant], gen)
@@ -151,7 +152,7 @@ def test_row_blocks_past_sixteen_rows(variant, num_rows, block_m, split_k):
     bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEVICE)
     out = poisoned((num_rows, n), torch.bfloat16)
     quant_gemv_tc(x, w, bias, out=out, block_m=block_m, split_k=split_k)
-    assert rel_err(out, quant_matmul_ref(x, w, bias)) < OUT_TOL[torch.bfloat16], variant
+    assert rel_err(out, quant_matmul_ref(x, w, bias)) < (OUT_TOL if block_m == 16 else TOL)[torch.bfloat16], variant
     ws, counts = _WORKSPACES.get(x.device, (torch.zeros(1), torch.zeros(1)))
     assert not ws.any() and not counts.any()
     assert torch.equal(quant_matmul(x, w, bias), quant_gemv_tc(x, w, bias))
