@@ -6,6 +6,7 @@ Sections (results in `--out`/gpu_quant.json and gpu_quant.md; each runs even if 
              plus a bf16 lm_head, chained in one CUDA graph, replayed: the weights-only part of a decode
              step. tok/s = 1 / pass time; roofline = copy GB/s / bytes the pass reads.
   pass_b16   the same at batch 16 (the decode GEMV's last row count).
+  pass_b64   batch 64 (4-bit codes: row blocks of the tensor-core GEMV for the wide and long weights, else the GEMM).
   pass_b256  batch 256 (the GEMM path): int4 and the others against bf16 (target: int4 no slower).
   memory     GPU memory of the int4 model's weights (packed projections + bf16 embeddings and lm_head).
   crossover  1-16 rows: the decode kernels (quant_gemv, fp8_gemv) against the tensor-core paths
@@ -329,6 +330,7 @@ def main() -> None:
     sections = [("ceilings", lambda: results.__setitem__("ceilings", {"copy_gbs": round(copy_bandwidth_gbs(), 1)})),
                 ("pass_b1", lambda: section_pass(shapes, results, "pass_b1", 1)),
                 ("pass_b16", lambda: section_pass(shapes, results, "pass_b16", 16)),
+                ("pass_b64", lambda: section_pass(shapes, results, "pass_b64", 64 if not ARGS.smoke else 18)),
                 ("pass_b256", lambda: section_pass(shapes, results, "pass_b256", 256 if not ARGS.smoke else 20)),
                 ("memory", lambda: section_memory(shapes, results)),
                 ("crossover", lambda: section_crossover(shapes, results)),

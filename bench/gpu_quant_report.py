@@ -12,7 +12,7 @@ def markdown(results: dict) -> str:
     lines = [title, ""]
     if "ceilings" in results:
         lines += [f"Copy bandwidth (read + write): **{results['ceilings']['copy_gbs']} GB/s**", ""]
-    for key in ("pass_b1", "pass_b16", "pass_b256"):
+    for key in ("pass_b1", "pass_b16", "pass_b64", "pass_b256"):
         if key not in results:
             continue
         header = ("| format | GB a step | pass (ms) | tok/s a sequence | tok/s all | GB/s | roofline tok/s | "

@@ -36,7 +36,7 @@ from kernels._common import (
     require_same_device,
 )
 from kernels.quant_gemv import MAX_QUANT_GEMV_ROWS, QUANT_GEMV_FASTER_ROWS, on_tensor_cores, quant_gemv
-from kernels.quant_gemv_tc import quant_gemv_tc
+from kernels.quant_gemv_tc import quant_gemv_tc, row_blocks_win
 from kernels.quant_layout import (
     IntPackedWeight,
     act_planes,
@@ -99,9 +99,10 @@ def _quant_gemm_kernel(
 
 # From this many rows (fp16 / bf16 on the GPU) the whole weight is widened for cuBLAS: bench/quant_gemm_tune.py.
 WIDEN_ROWS = 512
-# Below WIDEN_ROWS the 4-bit codes `quant_gemv_tc` takes go to it in row blocks rather than to this GEMM: the
-# widened weight feeds the MMA from registers, no shared-memory round trip. NOTE: read once at import
-# (`KERNELS_QUANT_TC_ROW_BLOCKS=0`: the A/B switch of bench/gpu_quant.py).
+# Below WIDEN_ROWS the 4-bit codes `quant_gemv_tc` takes go to it in row blocks rather than to this GEMM where
+# that measured faster (`row_blocks_win`: the wide and the long weights): the widened weight feeds the MMA from
+# registers, no shared-memory round trip. NOTE: read once at import (`KERNELS_QUANT_TC_ROW_BLOCKS=0`: the A/B
+# switch of bench/gpu_quant.py).
 TC_ROW_BLOCKS = os.environ.get("KERNELS_QUANT_TC_ROW_BLOCKS", "1") != "0"
 
 
@@ -155,9 +156,9 @@ def quant_matmul(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None 
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ dequant(w).T + bias -> [M, N] in x's dtype: the decode GEMV up to
     QUANT_GEMV_FASTER_ROWS rows (up to 16 for the 4-bit codes `quant_gemv_tc` takes: all of Llama-3-8B's
-    projections at 16 rows 5.07 -> 3.10 ms against this GEMM on an H200; past 16 those take it in row blocks,
-    TC_ROW_BLOCKS), the tensor-core GEMM past it, and on the GPU from WIDEN_ROWS rows of fp16 / bf16 the widened
-    weight through cuBLAS (`kernels.quant_widen`).
+    projections at 16 rows 5.07 -> 3.10 ms against this GEMM on an H200; past 16 the wide and long ones take
+    it in row blocks, TC_ROW_BLOCKS), the tensor-core GEMM past it, and on the GPU from WIDEN_ROWS rows of fp16 /
+    bf16 the widened weight through cuBLAS (`kernels.quant_widen`).
     Checks shapes, dtypes and devices.
 
     The fused decoder's options (`gated`, `norm_weight`, `residual`: see `kernels.gemv`) are decode
@@ -185,6 +186,6 @@ def quant_matmul(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None 
         return quant_gemv(x, w, bias, gated=gated, norm_weight=norm_weight, eps=eps, residual=residual, out=out)
     if x.shape[0] >= WIDEN_ROWS and x.is_cuda and x.dtype != torch.float32:
         return widened_matmul(x, w, bias, out=out)
-    if TC_ROW_BLOCKS and on_tensor_cores(w, x):
+    if TC_ROW_BLOCKS and on_tensor_cores(w, x) and row_blocks_win(n, k):
         return quant_gemv_tc(x, w, bias, out=out)
     return quant_gemm(x, w, bias, out=out)

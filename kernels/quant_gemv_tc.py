@@ -287,6 +287,14 @@ def takes_tensor_cores(w: IntPackedWeight, x: torch.Tensor) -> bool:
             and (is_interpreter() or (x.is_cuda and compute_capability(x.device) >= (8, 0))))
 
 
+def row_blocks_win(n: int, k: int) -> bool:
+    """Whether past 16 rows this weight is faster in row blocks than through the tensor-core GEMM (an H100,
+    2026-11-28, bench/quant_gemv_tc_tune.py --row-blocks): the wide ones (Llama-3-8B's gate_up at 64 rows
+    71.9 -> 58.3 us, at 256 197.7 -> 164.9) and the long ones (down: 82.7 -> 49.4, 117.9 -> 114.0); qkv and o
+    measured as fast or slower (64 rows 25.1 / 24.5 against 26.7 / 26.0 us) and keep the GEMM."""
+    return n >= 16384 or k >= 8192
+
+
 def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_prologue: bool = False,
                          tiled: bool = False, num_rows: int = 1) -> dict:
     """Tiles an H100 and an H200 measured best at one row (bench/quant_gemv_tc_tune.py, 2026-11-27): 64 output
@@ -294,21 +302,29 @@ def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_p
     every program computes again: wider tiles share it) or in row tiles (`tiled`; down plain 21.4 -> 17.4 us on
     an H200, bench/tc_gemv_probe.py), a 128-wide K tile in sub-tiles of one group each (groups of 32: four), 3
     stages, and K split until the grid holds 1.5 programs an SM (while the partials fit the workspace).
-    Past MAX_ROWS rows x comes in row blocks of `block_m` (the MMA's N)."""
+    Past MAX_ROWS rows (`row_blocks_win`'s weights), what an H100 measured best on 2026-11-28 at 64 and 256 rows:
+    128 output columns, two warpgroups; 64-row blocks up to 64 rows, past that 128 (256 for the wide weights
+    past 128 rows; the long ones one warpgroup)."""
     block_k = min(128, k & -k)
     sub_k = min(block_k, group & -group)
-    block_m = MAX_ROWS if num_rows <= MAX_ROWS else (64 if num_rows <= 64 else 128)
-    # NOTE: sub-tiles of 32 columns on 128-wide tiles take Triton's layouts through shared memory (SASS: 8.2
-    # instructions a weight against 5.3 on 64-wide tiles)
-    wide = sub_k >= 64 and (block_m > MAX_ROWS or n >= 16384 or (k >= 8192 and (has_prologue or tiled)))
-    block_n = 128 if wide else 64
+    num_warps = 4
+    if num_rows <= MAX_ROWS:
+        block_m = MAX_ROWS
+        # NOTE: sub-tiles of 32 columns on 128-wide tiles take Triton's layouts through shared memory (SASS:
+        # 8.2 instructions a weight against 5.3 on 64-wide tiles)
+        wide = sub_k >= 64 and (n >= 16384 or (k >= 8192 and (has_prologue or tiled)))
+        block_n = 128 if wide else 64
+    else:
+        block_m = 64 if num_rows <= 64 else 256 if n >= 16384 and num_rows > 128 else 128
+        block_n = 128
+        num_warps = 4 if block_m == 128 and n < 16384 else 8
     tiles = triton.cdiv(n, block_n) * triton.cdiv(num_rows, block_m)
     split = 1
     while (tiles * split < 1.5 * num_sms(device) and k // (split * 2) >= 4 * block_k
            and 2 * split * triton.cdiv(num_rows, block_m) * block_m * n <= WORKSPACE_FLOATS):
         split *= 2
     return {"block_n": block_n, "block_m": block_m, "block_k": block_k, "sub_k": sub_k, "split_k": split,
-            "num_warps": 8 if block_m > MAX_ROWS else 4, "num_stages": 3}
+            "num_warps": num_warps, "num_stages": 3}
 
 
 _WORKSPACES: dict = {}

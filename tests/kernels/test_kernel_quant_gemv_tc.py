@@ -155,4 +155,22 @@ def test_row_blocks_past_sixteen_rows(variant, num_rows, block_m, split_k):
     assert rel_err(out, quant_matmul_ref(x, w, bias)) < (OUT_TOL if block_m == 16 else TOL)[torch.bfloat16], variant
     ws, counts = _WORKSPACES.get(x.device, (torch.zeros(1), torch.zeros(1)))
     assert not ws.any() and not counts.any()
-    assert torch.equal(quant_matmul(x, w, bias), quant_gemv_tc(x, w, bias))
+
+
+@pytest.mark.parametrize("n,k,takes_row_blocks", [(16, 8192, True), (16384, 32, True), (64, 4096, False)])
+def test_quant_matmul_sends_wide_and_long_weights_to_row_blocks(n, k, takes_row_blocks, monkeypatch):
+    """Past 16 rows (below the widening's 512) the wide and the long weights take the row blocks, the others
+    the GEMM."""
+    import kernels.quant_gemm as quant_gemm_module
+
+    gen = torch.Generator().manual_seed(n + k)
+    w = random_packed(n, k, *VARIANTS["gptq_g128_sym"] if k >= 128 else (4, 32, False, False, False), gen)
+    x = torch.randn(20, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    called = []
+    for name in ("quant_gemv_tc", "quant_gemm"):
+        real = getattr(quant_gemm_module, name)
+        monkeypatch.setattr(quant_gemm_module, name, lambda *a, real=real, name=name, **kw: called.append(name)
+                            or real(*a, **kw))
+    out = quant_matmul(x, w)
+    assert called == ["quant_gemv_tc" if takes_row_blocks else "quant_gemm"]
+    assert rel_err(out, quant_matmul_ref(x, w)) < TOL[torch.bfloat16]
