@@ -186,6 +186,6 @@ def quant_matmul(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None 
         return quant_gemv(x, w, bias, gated=gated, norm_weight=norm_weight, eps=eps, residual=residual, out=out)
     if x.shape[0] >= WIDEN_ROWS and x.is_cuda and x.dtype != torch.float32:
         return widened_matmul(x, w, bias, out=out)
-    if TC_ROW_BLOCKS and on_tensor_cores(w, x) and row_blocks_win(n, k):
+    if TC_ROW_BLOCKS and on_tensor_cores(w, x) and row_blocks_win(w, x.shape[0]):
         return quant_gemv_tc(x, w, bias, out=out)
     return quant_gemm(x, w, bias, out=out)

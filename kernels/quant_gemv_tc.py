@@ -287,12 +287,15 @@ def takes_tensor_cores(w: IntPackedWeight, x: torch.Tensor) -> bool:
             and (is_interpreter() or (x.is_cuda and compute_capability(x.device) >= (8, 0))))
 
 
-def row_blocks_win(n: int, k: int) -> bool:
-    """Whether past 16 rows this weight is faster in row blocks than through the tensor-core GEMM (an H100,
-    2026-11-28, bench/quant_gemv_tc_tune.py --row-blocks): the wide ones (Llama-3-8B's gate_up at 64 rows
-    71.9 -> 58.3 us, at 256 197.7 -> 164.9) and the long ones (down: 82.7 -> 49.4, 117.9 -> 114.0); qkv and o
-    measured as fast or slower (64 rows 25.1 / 24.5 against 26.7 / 26.0 us) and keep the GEMM."""
-    return n >= 16384 or k >= 8192
+def row_blocks_win(w: IntPackedWeight, num_rows: int) -> bool:
+    """Whether this weight at num_rows (> 16) rows is faster in row blocks than through the tensor-core GEMM (an
+    H100, 2026-11-28, bench/quant_gemv_tc_tune.py --row-blocks and bench/gpu_quant.py): the wide ones (Llama-3-8B's
+    gate_up at 64 rows 71.9 -> 58.3 us, at 256 197.7 -> 164.9) and the long ones (down: 82.7 -> 49.4, 117.9 ->
+    114.0); qkv and o measured as fast or slower (64 rows 25.1 / 24.5 against 26.7 / 26.0 us) and keep the GEMM.
+    A zeros plane (AWQ) only up to 64 rows: all layers' projections at 64 rows 7.77 -> 5.54 ms, at 256 13.57 ->
+    14.08."""
+    n, k = w.shape
+    return (n >= 16384 or k >= 8192) and (w.zeros is None or num_rows <= 64)
 
 
 def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_prologue: bool = False,

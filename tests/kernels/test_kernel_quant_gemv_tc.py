@@ -157,15 +157,18 @@ def test_row_blocks_past_sixteen_rows(variant, num_rows, block_m, split_k):
     assert not ws.any() and not counts.any()
 
 
-@pytest.mark.parametrize("n,k,takes_row_blocks", [(16, 8192, True), (16384, 32, True), (64, 4096, False)])
-def test_quant_matmul_sends_wide_and_long_weights_to_row_blocks(n, k, takes_row_blocks, monkeypatch):
-    """Past 16 rows (below the widening's 512) the wide and the long weights take the row blocks, the others
-    the GEMM."""
+@pytest.mark.parametrize("n,k,variant,num_rows,takes_row_blocks", [
+    (16, 8192, "gptq_g128_sym", 20, True), (16384, 32, "q4_0_g32", 20, True), (64, 4096, "gptq_g128_sym", 20, False),
+    (16, 8192, "awq_g128", 64, True), (16, 8192, "awq_g128", 65, False), (16, 8192, "gptq_g128_sym", 65, True)])
+def test_quant_matmul_sends_wide_and_long_weights_to_row_blocks(n, k, variant, num_rows, takes_row_blocks,
+                                                                 monkeypatch):
+    """Past 16 rows (below the widening's 512) the wide and the long weights take the row blocks (with a zeros
+    plane up to 64 rows), the others the GEMM."""
     import kernels.quant_gemm as quant_gemm_module
 
     gen = torch.Generator().manual_seed(n + k)
-    w = random_packed(n, k, *VARIANTS["gptq_g128_sym"] if k >= 128 else (4, 32, False, False, False), gen)
-    x = torch.randn(20, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    w = random_packed(n, k, *VARIANTS[variant], gen)
+    x = torch.randn(num_rows, k, generator=gen).to(torch.bfloat16).to(DEVICE)
     called = []
     for name in ("quant_gemv_tc", "quant_gemm"):
         real = getattr(quant_gemm_module, name)
