@@ -290,12 +290,13 @@ def takes_tensor_cores(w: IntPackedWeight, x: torch.Tensor) -> bool:
 def row_blocks_win(w: IntPackedWeight, num_rows: int) -> bool:
     """Whether this weight at num_rows (> 16) rows is faster in row blocks than through the tensor-core GEMM (an
     H100, 2026-11-28, bench/quant_gemv_tc_tune.py --row-blocks and bench/gpu_quant.py): the wide ones (Llama-3-8B's
-    gate_up at 64 rows 71.9 -> 58.3 us, at 256 197.7 -> 164.9) and the long ones (down: 82.7 -> 49.4, 117.9 ->
-    114.0); qkv and o measured as fast or slower (64 rows 25.1 / 24.5 against 26.7 / 26.0 us) and keep the GEMM.
-    A zeros plane (AWQ) only up to 64 rows: all layers' projections at 64 rows 7.77 -> 5.54 ms, at 256 13.57 ->
-    14.08."""
+    gate_up at 32 / 64 / 128 / 256 / 384 rows 72.2 / 71.9 / 128.8 / 197.7 / 350.9 -> 48.6 / 58.3 / 97.9 / 164.9 /
+    283.8 us) and the long ones (down: 81.9 / 82.7 / 111.9 / 117.9 / 216.7 -> 40.6 / 49.4 / 93.0 / 114.0 / 179.3);
+    qkv and o measured as fast or slower up to 256 rows (64 rows 25.1 / 24.5 against 26.7 / 26.0 us) and keep the
+    GEMM. A zeros plane (AWQ) up to 128 rows: gate_up / down at 128 rows 139.4 / 119.7 -> 104.1 / 111.3 us, but
+    all layers' projections at 256 rows 13.57 -> 14.08 ms."""
     n, k = w.shape
-    return (n >= 16384 or k >= 8192) and (w.zeros is None or num_rows <= 64)
+    return (n >= 16384 or k >= 8192) and (w.zeros is None or num_rows <= 128)
 
 
 def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_prologue: bool = False,

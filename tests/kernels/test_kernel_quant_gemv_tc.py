@@ -159,11 +159,11 @@ def test_row_blocks_past_sixteen_rows(variant, num_rows, block_m, split_k):
 
 @pytest.mark.parametrize("n,k,variant,num_rows,takes_row_blocks", [
     (16, 8192, "gptq_g128_sym", 20, True), (16384, 32, "q4_0_g32", 20, True), (64, 4096, "gptq_g128_sym", 20, False),
-    (16, 8192, "awq_g128", 64, True), (16, 8192, "awq_g128", 65, False), (16, 8192, "gptq_g128_sym", 65, True)])
+    (16, 8192, "awq_g128", 128, True), (16, 8192, "awq_g128", 129, False), (16, 8192, "gptq_g128_sym", 129, True)])
 def test_quant_matmul_sends_wide_and_long_weights_to_row_blocks(n, k, variant, num_rows, takes_row_blocks,
                                                                  monkeypatch):
     """Past 16 rows (below the widening's 512) the wide and the long weights take the row blocks (with a zeros
-    plane up to 64 rows), the others the GEMM."""
+    plane up to 128 rows), the others the GEMM."""
     import kernels.quant_gemm as quant_gemm_module
 
     gen = torch.Generator().manual_seed(n + k)
