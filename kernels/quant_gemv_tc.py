@@ -18,9 +18,10 @@ loop against 6.3):
 - products of 16-bit values are exact in the fp32 accumulator; each group's sum is scaled once (a K
   tile of 128 columns steps through sub-tiles of one group each: one for groups of 128, four for GGUF
   Q4_0's 32). So results equal dequantize-then-matmul up to fp32 summation order;
-- past 16 rows (row blocks, `SCALED`) the weight is scaled in x's dtype before the MMA instead, rounded as
-  the tensor-core GEMM (`quant_layout.half_planes`) rounds it: scaling each product after the MMA would make
-  every MMA wait for the previous one's result, where chained on one accumulator they overlap the widening;
+- in row blocks of more than SCALED_PAST_ROWS rows (`SCALED`) the weight is scaled in x's dtype before the
+  MMA instead, rounded as the tensor-core GEMM (`quant_layout.half_planes`) rounds it: scaling after the MMA
+  costs BM multiply-adds a weight row and K step (scaling before: BK / 2) and makes every MMA wait for the
+  previous one's result, where chained on one accumulator they overlap the widening;
 - the codes may sit in row tiles (`quant_tiles.with_row_tiles`, what the loader does on the GPU): a
   program's K step then reads one contiguous run.
 
@@ -52,6 +53,10 @@ from kernels._common import (
 from kernels.quant_layout import IntPackedWeight, _magic_plus
 
 MAX_ROWS = 16  # x^T padded to the MMA's smallest N: a decode call's rows, in one row block
+# Row blocks wider than this scale the weight before the MMA (an H100, 2026-11-28: 64-row blocks faster scaling
+# after it, e.g. qkv at 64 rows 21.2 against 26.7 us; 256-row blocks faster before, gate_up at 256 rows 164.9 us
+# against 190.8 for the best tile scaling after)
+SCALED_PAST_ROWS = 64
 
 
 # two bytes (in the low half of $2) -> MAGIC + each low nibble ($0) and each high nibble ($1), MAGIC_BITS two
@@ -289,14 +294,14 @@ def takes_tensor_cores(w: IntPackedWeight, x: torch.Tensor) -> bool:
 
 def row_blocks_win(w: IntPackedWeight, num_rows: int) -> bool:
     """Whether this weight at num_rows (> 16) rows is faster in row blocks than through the tensor-core GEMM (an
-    H100, 2026-11-28, bench/quant_gemv_tc_tune.py --row-blocks and bench/gpu_quant.py): the wide ones (Llama-3-8B's
-    gate_up at 32 / 64 / 128 / 256 / 384 rows 72.2 / 71.9 / 128.8 / 197.7 / 350.9 -> 48.6 / 58.3 / 97.9 / 164.9 /
-    283.8 us) and the long ones (down: 81.9 / 82.7 / 111.9 / 117.9 / 216.7 -> 40.6 / 49.4 / 93.0 / 114.0 / 179.3);
-    qkv and o measured as fast or slower up to 256 rows (64 rows 25.1 / 24.5 against 26.7 / 26.0 us) and keep the
-    GEMM. A zeros plane (AWQ) up to 128 rows: gate_up / down at 128 rows 139.4 / 119.7 -> 104.1 / 111.3 us, but
-    all layers' projections at 256 rows 13.57 -> 14.08 ms."""
+    H100, 2026-11-28, bench/quant_gemv_tc_tune.py --row-blocks and bench/gpu_quant.py; Llama-3-8B's projections):
+    up to 64 rows every one (64 rows: qkv 24.9 -> 21.2 us, o 25.0 -> 20.9, gate_up 70.2 -> 59.6, down 83.8 ->
+    44.4); past that the wide ones (gate_up at 128 / 256 / 384 rows 128.8 / 197.7 / 350.9 -> 97.9 / 164.9 / 283.8
+    us) and the long ones (down: 111.9 / 117.9 / 216.7 -> 93.0 / 114.0 / 179.3), while qkv and o measured as fast
+    or slower at 256 rows; with a zeros plane (AWQ) up to 128 rows (gate_up / down at 128 rows 139.4 / 119.7 ->
+    104.1 / 111.3 us, but all layers' projections at 256 rows 13.57 -> 14.08 ms)."""
     n, k = w.shape
-    return (n >= 16384 or k >= 8192) and (w.zeros is None or num_rows <= 128)
+    return num_rows <= 64 or ((n >= 16384 or k >= 8192) and (w.zeros is None or num_rows <= 128))
 
 
 def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_prologue: bool = False,
@@ -307,8 +312,8 @@ def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_p
     an H200, bench/tc_gemv_probe.py), a 128-wide K tile in sub-tiles of one group each (groups of 32: four), 3
     stages, and K split until the grid holds 1.5 programs an SM (while the partials fit the workspace).
     Past MAX_ROWS rows (`row_blocks_win`'s weights), what an H100 measured best on 2026-11-28 at 64 and 256 rows:
-    128 output columns, two warpgroups; 64-row blocks up to 64 rows, past that 128 (256 for the wide weights
-    past 128 rows; the long ones one warpgroup)."""
+    64-row blocks up to 64 rows, past that 128 (256 for the wide weights past 128 rows); 128 output columns on
+    two warpgroups (one for the long weights in 128-row blocks), 64 on one for the small weights."""
     block_k = min(128, k & -k)
     sub_k = min(block_k, group & -group)
     num_warps = 4
@@ -320,8 +325,8 @@ def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_p
         block_n = 128 if wide else 64
     else:
         block_m = 64 if num_rows <= 64 else 256 if n >= 16384 and num_rows > 128 else 128
-        block_n = 128
-        num_warps = 4 if block_m == 128 and n < 16384 else 8
+        block_n = 64 if block_m == 64 and n < 16384 and k < 8192 else 128
+        num_warps = 4 if block_n == 64 or (block_m == 128 and n < 16384) else 8
     tiles = triton.cdiv(n, block_n) * triton.cdiv(num_rows, block_m)
     split = 1
     while (tiles * split < 1.5 * num_sms(device) and k // (split * 2) >= 4 * block_k
@@ -378,7 +383,7 @@ def quant_gemv_tc(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None
         num_rows, n, k, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         GROUP=w.group_size, ZERO=float(w.zero), HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None,
         HAS_BIAS=bias is not None, GATED=gated, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-        BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, SUB_K=sub_k, SPLIT_K=split, SCALED=block_m > MAX_ROWS,
-        TILE_N=w.tile_n, **opts,
+        BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, SUB_K=sub_k, SPLIT_K=split,
+        SCALED=block_m > SCALED_PAST_ROWS, TILE_N=w.tile_n, **opts,
         **pdl_args(x.device))
     return out

@@ -140,11 +140,12 @@ def test_groups_of_32_take_the_tensor_cores_from_two_rows(num_rows, monkeypatch)
 
 
 @pytest.mark.parametrize("variant", ["gptq_g128_actorder", "awq_g128", "q4_0_g32"])
-@pytest.mark.parametrize("num_rows,block_m,split_k", [(17, 16, 1), (40, 32, 2), (33, 64, 1), (70, 64, 4)])
+@pytest.mark.parametrize("num_rows,block_m,split_k", [(17, 16, 1), (40, 32, 2), (70, 64, 4), (130, 128, 1),
+                                                    (70, 128, 2)])
 def test_row_blocks_past_sixteen_rows(variant, num_rows, block_m, split_k):
     """Past 16 rows x comes in row blocks (the last one partial), each block's split-K partials in its own
-    slab and counter; blocks past 16 rows scale the weight before the MMA, rounded to bf16 as the GEMM rounds
-    it; `quant_matmul` sends these rows here (not to the GEMM), the same bits."""
+    slab and counter; blocks past 64 rows scale the weight before the MMA, rounded to bf16 as the GEMM rounds
+    it."""
     gen = torch.Generator().manual_seed(num_rows + block_m + split_k)
     n, k = SHAPES[0]
     w = random_packed(n, k, *VARIANTS[variant], gen)
@@ -152,18 +153,18 @@ def test_row_blocks_past_sixteen_rows(variant, num_rows, block_m, split_k):
     bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEVICE)
     out = poisoned((num_rows, n), torch.bfloat16)
     quant_gemv_tc(x, w, bias, out=out, block_m=block_m, split_k=split_k)
-    assert rel_err(out, quant_matmul_ref(x, w, bias)) < (OUT_TOL if block_m == 16 else TOL)[torch.bfloat16], variant
+    assert rel_err(out, quant_matmul_ref(x, w, bias)) < (OUT_TOL if block_m <= 64 else TOL)[torch.bfloat16], variant
     ws, counts = _WORKSPACES.get(x.device, (torch.zeros(1), torch.zeros(1)))
     assert not ws.any() and not counts.any()
 
 
 @pytest.mark.parametrize("n,k,variant,num_rows,takes_row_blocks", [
-    (16, 8192, "gptq_g128_sym", 20, True), (16384, 32, "q4_0_g32", 20, True), (64, 4096, "gptq_g128_sym", 20, False),
-    (16, 8192, "awq_g128", 128, True), (16, 8192, "awq_g128", 129, False), (16, 8192, "gptq_g128_sym", 129, True)])
+    (64, 256, "gptq_g128_sym", 64, True), (64, 256, "gptq_g128_sym", 65, False), (16, 8192, "gptq_g128_sym", 129, True),
+    (16384, 32, "q4_0_g32", 65, True), (16, 8192, "awq_g128", 128, True), (16, 8192, "awq_g128", 129, False)])
 def test_quant_matmul_sends_wide_and_long_weights_to_row_blocks(n, k, variant, num_rows, takes_row_blocks,
                                                                  monkeypatch):
-    """Past 16 rows (below the widening's 512) the wide and the long weights take the row blocks (with a zeros
-    plane up to 128 rows), the others the GEMM."""
+    """Past 16 rows (below the widening's 512) every weight takes the row blocks up to 64 rows, past that the
+    wide and the long ones (with a zeros plane up to 128 rows); the others the GEMM."""
     import kernels.quant_gemm as quant_gemm_module
 
     gen = torch.Generator().manual_seed(n + k)
