@@ -310,7 +310,8 @@ def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_p
     columns a program (a warpgroup's MMA), 128 for the wide weights and for long ones with a fused prologue (which
     every program computes again: wider tiles share it) or in row tiles (`tiled`; down plain 21.4 -> 17.4 us on
     an H200, bench/tc_gemv_probe.py), a 128-wide K tile in sub-tiles of one group each (groups of 32: four), 3
-    stages, and K split until the grid holds 1.5 programs an SM (while the partials fit the workspace).
+    stages, and K split until the grid holds 1.5 programs an SM (while the partials fit the workspace; in row
+    blocks only the long weights', to 0.75).
     Past MAX_ROWS rows (`row_blocks_win`'s weights), what an H100 measured best on 2026-11-28 at 64 and 256 rows:
     64-row blocks up to 64 rows, past that 128 (256 for the wide weights past 128 rows); 128 output columns on
     two warpgroups (one for the long weights in 128-row blocks), 64 on one for the small weights."""
@@ -328,8 +329,11 @@ def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_p
         block_n = 64 if block_m == 64 and n < 16384 and k < 8192 else 128
         num_warps = 4 if block_n == 64 or (block_m == 128 and n < 16384) else 8
     tiles = triton.cdiv(n, block_n) * triton.cdiv(num_rows, block_m)
+    # NOTE: a row block's partials are BM times a row's: split-K pays there only for the long weights, up to
+    # 0.75 programs an SM (64 rows: qkv 21.2 us unsplit against 29.4 split 4; down 44.4 split 4, 51.4 split 8)
+    fill = 1.5 if block_m == MAX_ROWS else 0.75 if k >= 8192 else 0
     split = 1
-    while (tiles * split < 1.5 * num_sms(device) and k // (split * 2) >= 4 * block_k
+    while (tiles * split < fill * num_sms(device) and k // (split * 2) >= 4 * block_k
            and 2 * split * triton.cdiv(num_rows, block_m) * block_m * n <= WORKSPACE_FLOATS):
         split *= 2
     return {"block_n": block_n, "block_m": block_m, "block_k": block_k, "sub_k": sub_k, "split_k": split,
