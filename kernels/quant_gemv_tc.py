@@ -389,5 +389,7 @@ def quant_gemv_tc(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None
         HAS_BIAS=bias is not None, GATED=gated, NORM=norm_weight is not None, RESIDUAL=residual is not None,
         BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, SUB_K=sub_k, SPLIT_K=split,
         SCALED=block_m > SCALED_PAST_ROWS, TILE_N=w.tile_n, **opts,
-        **pdl_args(x.device))
+        # NOTE: row blocks launch without programmatic dependent launch, as the GEMM does (`kernels.quant_gemm`):
+        # the next launch's waiting programs hold the multiprocessors these large grids need
+        **(pdl_args(x.device) if block_m == MAX_ROWS else {"USE_PDL": False}))
     return out
