@@ -100,8 +100,8 @@ def _quant_gemm_kernel(
 # From this many rows (fp16 / bf16 on the GPU) the whole weight is widened for cuBLAS: bench/quant_gemm_tune.py.
 WIDEN_ROWS = 512
 # Below WIDEN_ROWS the 4-bit codes `quant_gemv_tc` takes go to it in row blocks rather than to this GEMM where
-# that measured faster (`row_blocks_win`: the wide and the long weights): the widened weight feeds the MMA from
-# registers, no shared-memory round trip. NOTE: read once at import (`KERNELS_QUANT_TC_ROW_BLOCKS=0`: the A/B
+# that measured faster (`row_blocks_win`: every weight up to 64 rows, the wide and the long ones past): the
+# widened weight feeds the MMA from registers, no shared-memory round trip. NOTE: read once at import (`KERNELS_QUANT_TC_ROW_BLOCKS=0`: the A/B
 # switch of bench/gpu_quant.py).
 TC_ROW_BLOCKS = os.environ.get("KERNELS_QUANT_TC_ROW_BLOCKS", "1") != "0"
 
@@ -156,9 +156,9 @@ def quant_matmul(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None 
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ dequant(w).T + bias -> [M, N] in x's dtype: the decode GEMV up to
     QUANT_GEMV_FASTER_ROWS rows (up to 16 for the 4-bit codes `quant_gemv_tc` takes: all of Llama-3-8B's
-    projections at 16 rows 5.07 -> 3.10 ms against this GEMM on an H200; past 16 the wide and long ones take
-    it in row blocks, TC_ROW_BLOCKS), the tensor-core GEMM past it, and on the GPU from WIDEN_ROWS rows of fp16 /
-    bf16 the widened weight through cuBLAS (`kernels.quant_widen`).
+    projections at 16 rows 5.07 -> 3.10 ms against this GEMM on an H200; past 16 they take it in row blocks
+    where that measured faster, TC_ROW_BLOCKS), the tensor-core GEMM past it, and on the GPU from WIDEN_ROWS
+    rows of fp16 / bf16 the widened weight through cuBLAS (`kernels.quant_widen`).
     Checks shapes, dtypes and devices.
 
     The fused decoder's options (`gated`, `norm_weight`, `residual`: see `kernels.gemv`) are decode

@@ -299,9 +299,11 @@ def row_blocks_win(w: IntPackedWeight, num_rows: int) -> bool:
     44.4); past that the wide ones (gate_up at 128 / 256 / 384 rows 128.8 / 197.7 / 350.9 -> 97.9 / 164.9 / 283.8
     us) and the long ones (down: 111.9 / 117.9 / 216.7 -> 93.0 / 114.0 / 179.3), while qkv and o measured as fast
     or slower at 256 rows; with a zeros plane (AWQ) up to 128 rows (gate_up / down at 128 rows 139.4 / 119.7 ->
-    104.1 / 111.3 us, but all layers' projections at 256 rows 13.57 -> 14.08 ms)."""
+    104.1 / 111.3 us, but all layers' projections at 256 rows 13.57 -> 14.08 ms). Groups of 128 columns or more
+    (per channel): smaller ones (GGUF Q4_0's 32) scale four sub-tiles a K step, not measured in row blocks."""
     n, k = w.shape
-    return num_rows <= 64 or ((n >= 16384 or k >= 8192) and (w.zeros is None or num_rows <= 128))
+    return w.group_size >= 128 and (num_rows <= 64 or ((n >= 16384 or k >= 8192)
+                                                       and (w.zeros is None or num_rows <= 128)))
 
 
 def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_prologue: bool = False,

@@ -160,11 +160,12 @@ def test_row_blocks_past_sixteen_rows(variant, num_rows, block_m, split_k):
 
 @pytest.mark.parametrize("n,k,variant,num_rows,takes_row_blocks", [
     (64, 256, "gptq_g128_sym", 64, True), (64, 256, "gptq_g128_sym", 65, False), (16, 8192, "gptq_g128_sym", 129, True),
-    (16384, 32, "q4_0_g32", 65, True), (16, 8192, "awq_g128", 128, True), (16, 8192, "awq_g128", 129, False)])
+    (16384, 128, "gptq_g128_sym", 65, True), (16, 8192, "awq_g128", 128, True), (16, 8192, "awq_g128", 129, False),
+    (64, 256, "q4_0_g32", 20, False)])
 def test_quant_matmul_sends_wide_and_long_weights_to_row_blocks(n, k, variant, num_rows, takes_row_blocks,
                                                                  monkeypatch):
-    """Past 16 rows (below the widening's 512) every weight takes the row blocks up to 64 rows, past that the
-    wide and the long ones (with a zeros plane up to 128 rows); the others the GEMM."""
+    """Past 16 rows (below the widening's 512) every weight in groups of 128 or more takes the row blocks up to
+    64 rows, past that the wide and the long ones (with a zeros plane up to 128 rows); the others the GEMM."""
     import kernels.quant_gemm as quant_gemm_module
 
     gen = torch.Generator().manual_seed(n + k)
