@@ -6,7 +6,7 @@ Sections (results in `--out`/gpu_quant.json and gpu_quant.md; each runs even if 
              plus a bf16 lm_head, chained in one CUDA graph, replayed: the weights-only part of a decode
              step. tok/s = 1 / pass time; roofline = copy GB/s / bytes the pass reads.
   pass_b16   the same at batch 16 (the decode GEMV's last row count).
-  pass_b64   batch 64 (4-bit codes: row blocks of the tensor-core GEMV for the wide and long weights, else the GEMM).
+  pass_b64   batch 64 (4-bit codes in groups of 128 or more: the tensor-core GEMV in row blocks, `row_blocks_win`).
   pass_b256  batch 256 (the GEMM path): int4 and the others against bf16 (target: int4 no slower).
   memory     GPU memory of the int4 model's weights (packed projections + bf16 embeddings and lm_head).
   crossover  1-16 rows: the decode kernels (quant_gemv, fp8_gemv) against the tensor-core paths

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels.quant_gemm as quant_gemm_module
 from kernels.norm import rms_norm
 from kernels.quant_gemm import quant_matmul
 from kernels.quant_gemv import quant_gemv
@@ -166,8 +167,6 @@ def test_quant_matmul_sends_wide_and_long_weights_to_row_blocks(n, k, variant, n
                                                                  monkeypatch):
     """Past 16 rows (below the widening's 512) every weight in groups of 128 or more takes the row blocks up to
     64 rows, past that the wide and the long ones (with a zeros plane up to 128 rows); the others the GEMM."""
-    import kernels.quant_gemm as quant_gemm_module
-
     gen = torch.Generator().manual_seed(n + k)
     w = random_packed(n, k, *VARIANTS[variant], gen)
     x = torch.randn(num_rows, k, generator=gen).to(torch.bfloat16).to(DEVICE)
