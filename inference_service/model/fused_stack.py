@@ -17,6 +17,8 @@ the SiLU gate in the down projection's, and the residual adds in the o and down 
 epilogues, and the rotary (with Qwen3's QK-norm) and the KV write happen inside the decode attention kernel
 (`kernels/decode_prologue.py`). A layer then launches qkv, attention, o, gate_up and down; on
 tensor-parallel shards, plus the o and down projections' all-reduces.
+Up to `MAX_PREFETCH_ROWS` rows on Hopper, a kernel on a second stream runs beside each layer's attention and
+brings the o and gate_up weights' first bytes into L2 (`kernels/l2_prefetch.py`); o waits for it.
 Projections kept in the packed integer layout (int4 / int8: GPTQ, AWQ, compressed-tensors, GGUF,
 in-situ) run `kernels.quant_matmul` there with the same options, on batches of up to
 `QUANT_GEMV_FASTER_ROWS` rows (past those the tensor-core GEMM beats the quantized GEMV). The path is
@@ -43,6 +45,7 @@ from inference_service.model.linear import DenseLinear
 from inference_service.model.moe import SparseMoE, route
 from inference_service.model.norms import RMSNorm
 from inference_service.model.rope import kernel_cos_sin_cache
+from kernels.l2_prefetch import MAX_PREFETCH_ROWS, PrefetchPlan, default_prefetch_bytes
 from kernels.quant_gemv import QUANT_GEMV_FASTER_ROWS
 from kernels.quant_layout import IntPackedWeight
 
@@ -81,6 +84,10 @@ class FusedStack:
         # once the weights are loaded (packed, quantized in situ, sharded).
         self.can_fold_gemv: bool | None = None
         self.max_fold_rows = 0
+        # Per layer, the o and gate_up weights' first bytes brought into L2 during a small batch's attention
+        # (`kernels/l2_prefetch.py`); planned with the folding. Empty where the device cannot prefetch.
+        self.prefetch_plans: list[PrefetchPlan] = []
+        self.prefetch_stream: torch.cuda.Stream | None = None
 
     def plan_folding(self) -> None:
         """Sets `can_fold_gemv` and `max_fold_rows` from the projections as loaded."""
@@ -97,6 +104,25 @@ class FusedStack:
         # The quantized GEMV loses to the tensor-core GEMM past QUANT_GEMV_FASTER_ROWS (bench/gpu_quant.py).
         self.max_fold_rows = (QUANT_GEMV_FASTER_ROWS if any(_int_packed(p) is not None for p in projections)
                               else kernels.MAX_GEMV_ROWS)
+        self.prefetch_plans = self._plan_prefetch()
+        device = self.prefetch_plans[0].table.device if self.prefetch_plans else None
+        if device is not None and device.type == "cuda" and self.prefetch_stream is None:
+            self.prefetch_stream = torch.cuda.Stream(device)
+
+    def _plan_prefetch(self) -> list[PrefetchPlan]:
+        """One plan a layer, launched beside its attention: its o projection's streamed weight, then its dense
+        MLP's gate_up, up to `default_prefetch_bytes`. (Prefetching each projection's successor beside it as well
+        measured slower: beside a GEMV the prefetch takes the bus the GEMV streams on.)"""
+        first = _streamed_weight(_local_linear(self.layers[0].self_attn.o_proj)) if len(self.layers) else None
+        max_bytes = default_prefetch_bytes(first.device) if first is not None else 0
+        if max_bytes <= 0:
+            return []
+        plans = []
+        for layer in self.layers:
+            modules = (layer.self_attn.o_proj, getattr(layer.mlp, "gate_up_proj", None))
+            weights = [_streamed_weight(_local_linear(m)) for m in modules if m is not None]
+            plans.append(PrefetchPlan([w for w in weights if w is not None], max_bytes))
+        return plans
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata) -> torch.Tensor:
@@ -105,11 +131,14 @@ class FusedStack:
         if self.can_fold_gemv is None:
             self.plan_folding()
         folds = self.can_fold_gemv and uses_gemv(hidden, self.dtype) and hidden.shape[0] <= self.max_fold_rows
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        prefetches = self.prefetch_plans if hidden.shape[0] <= MAX_PREFETCH_ROWS else []
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            prefetch = prefetches[index] if prefetches else None
             if folds:
-                hidden, residual = None, self._layer_gemv(layer, hidden, residual, positions, kv_cache, metadata)
+                hidden, residual = None, self._layer_gemv(layer, hidden, residual, positions, kv_cache, metadata,
+                                                          prefetch)
             else:
-                hidden, residual = self._layer(layer, hidden, residual, positions, kv_cache, metadata)
+                hidden, residual = self._layer(layer, hidden, residual, positions, kv_cache, metadata, prefetch)
         if hidden is None or residual is None:
             return residual if hidden is None else hidden
         return residual.add_(hidden)  # rounded as `fused_add_rms_norm` rounds the stream
@@ -119,12 +148,15 @@ class FusedStack:
         return kernels.rms_norm(hidden, self.norm.weight, self.norm.eps)
 
     def _layer(self, layer: DecoderLayer, hidden: torch.Tensor, residual: torch.Tensor | None,
-               positions: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               positions: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
+               prefetch: PrefetchPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) [T, H] each -> this layer's MLP output and the residual before it is added."""
         attn = layer.self_attn
         qkv, residual = _normed_projection(layer.input_layernorm, attn.qkv_proj, hidden, residual)
-        hidden = attn.o_proj(self._attend(attn, qkv, positions, kv_cache, metadata))
+        forked = self._fork_prefetch(prefetch)
+        out = self._attend(attn, qkv, positions, kv_cache, metadata)
+        self._join_prefetch(forked)
+        hidden = attn.o_proj(out)
         if not isinstance(layer.mlp, SparseMoE):
             gate_up, residual = _normed_projection(layer.post_attention_layernorm, layer.mlp.gate_up_proj, hidden,
                                                    residual)
@@ -138,7 +170,8 @@ class FusedStack:
         return kernels.fused_moe(hidden, moe.experts.gate_up_proj, moe.experts.down_proj, weights, ids), residual
 
     def _layer_gemv(self, layer: DecoderLayer, hidden: torch.Tensor | None, residual: torch.Tensor | None,
-                    positions: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
+                    positions: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
+                    prefetch: PrefetchPlan | None = None) -> torch.Tensor:
         """Four skinny matmuls carry the layer's element-wise work along (no norm or SiLU launches):
         qkv = norm(stream) Wqkv (+ b), stream += attn Wo, stream += silu_mul(norm(stream) Wgu) Wd; a
         mixture-of-experts layer: stream += fused_moe(norm(stream)), the add in its down projection.
@@ -150,7 +183,9 @@ class FusedStack:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = _skinny_matmul(_local_linear(attn.qkv_proj), stream, norm_weight=layer.input_layernorm.weight,
                              eps=layer.input_layernorm.eps)  # [T, q + 2 kv]
+        forked = self._fork_prefetch(prefetch)
         out = self._attend(attn, qkv, positions, kv_cache, metadata)  # [T, q]
+        self._join_prefetch(forked)
         stream = _gemv_into_stream(attn.o_proj, out, stream)
         if isinstance(mlp, SparseMoE):
             normed = kernels.rms_norm(stream, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
@@ -161,6 +196,22 @@ class FusedStack:
                                  norm_weight=layer.post_attention_layernorm.weight,
                                  eps=layer.post_attention_layernorm.eps)  # [T, 2 I]
         return _gemv_into_stream(mlp.down_proj, gate_up, stream, gated=True)  # [T, H]
+
+    def _fork_prefetch(self, plan: PrefetchPlan | None) -> bool:
+        """Launches `plan` on the prefetch stream once the work queued so far (the qkv projection) is done,
+        so that it runs beside the attention; True if it did."""
+        if plan is None or self.prefetch_stream is None:
+            return False
+        self.prefetch_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.prefetch_stream):
+            plan.launch()
+        return True
+
+    def _join_prefetch(self, forked: bool) -> None:
+        """The next kernel on the current stream (the o projection) waits for the prefetch: a captured graph's
+        branch must rejoin, and the o projection's weight is then in L2."""
+        if forked:
+            torch.cuda.current_stream().wait_stream(self.prefetch_stream)
 
     def _attend(self, attn: Attention, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -201,6 +252,20 @@ def _local_linear(module):
     """The Linear holding a projection's weight (a `DenseLinear` or a `QuantizedLinear`): the module, or
     on a tensor-parallel rank the shard its column- or row-parallel wrapper holds (`model/parallel_linear.py`)."""
     return getattr(module, "local", module)
+
+
+def _streamed_weight(linear) -> torch.Tensor | None:
+    """The tensor a projection's matmul streams most of its bytes from: a dense weight, an fp8 weight, or
+    a packed weight's codes; None for a layout this does not know."""
+    parts = linear.packed_parts() if hasattr(linear, "packed_parts") else []
+    if len(parts) > 1:
+        return None
+    source = parts[0] if parts else linear
+    for name in ("qs", "weight"):
+        tensor = getattr(source, name, None)
+        if isinstance(tensor, torch.Tensor):
+            return tensor
+    return None
 
 
 def _int_packed(linear) -> IntPackedWeight | None:

@@ -1,0 +1,82 @@
+"""L2 prefetch of the next projections' weights during a small batch's attention (`kernels/l2_prefetch.py`).
+
+The chunk plans are checked exactly on any machine; the launch itself (a Hopper instruction) runs only
+compiled on a GPU that has it, where it must change nothing: a prefetch is a hint.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference_service.model import fused_stack
+from inference_service.model.config import ModelConfig
+from kernels.l2_prefetch import PrefetchPlan, can_prefetch_l2, default_prefetch_bytes, plan_chunks
+from tests.kernels.kernel_testlib import DEVICE
+from tests.kernels.test_kernel_fused_decoder import COMMON, FAMILIES, _build
+
+
+def test_chunks_cover_the_tensors_in_order_up_to_the_budget():
+    first = torch.zeros(40_000, dtype=torch.float32)  # 160,000 bytes
+    second = torch.zeros(1_000, dtype=torch.bfloat16)  # 2,000 bytes
+    a, b = first.data_ptr(), second.data_ptr()
+    chunks = plan_chunks([first, second], max_bytes=160_000 + 1_000, chunk_bytes=16_384)
+    whole = [(a + i * 16_384, 16_384) for i in range(9)] + [(a + 9 * 16_384, 160_000 - 9 * 16_384)]
+    # the second tensor's 1,000 budgeted bytes, rounded down to 16
+    assert chunks == whole + [(b, 992)]
+    assert plan_chunks([first, second], max_bytes=100, chunk_bytes=64) == [(a, 64), (a + 64, 32)]
+    assert plan_chunks([first], max_bytes=0) == []
+
+
+def test_chunks_skip_an_unaligned_head_and_a_short_tail():
+    buffer = torch.zeros(256, dtype=torch.uint8)
+    view = buffer[3:250]  # starts 3 bytes into a 16-aligned allocation, 247 bytes long
+    start = buffer.data_ptr()
+    assert start % 16 == 0
+    assert plan_chunks([view], max_bytes=1 << 20, chunk_bytes=64) == [
+        (start + 16, 64), (start + 80, 64), (start + 144, 64), (start + 208, 32)]
+
+
+def test_chunk_size_must_suit_the_instruction():
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        plan_chunks([torch.zeros(4)], max_bytes=16, chunk_bytes=24)
+
+
+def test_plan_table_is_address_and_size_pairs():
+    weight = torch.zeros(64, 64, dtype=torch.float16, device=DEVICE)
+    plan = PrefetchPlan([weight], max_bytes=5_000, chunk_bytes=2_048)
+    assert plan.table.dtype == torch.int64 and plan.table.device == weight.device
+    assert plan.table.tolist() == [[weight.data_ptr(), 2_048], [weight.data_ptr() + 2_048, 2_048],
+                                   [weight.data_ptr() + 4_096, 896]]
+    assert plan.num_bytes == 5_000 - 8
+    plan.launch()  # a no-op where the device cannot prefetch; a hint that changes nothing where it can
+    assert torch.count_nonzero(weight) == 0
+
+
+def test_no_prefetch_where_the_device_has_no_instruction_for_it():
+    assert not can_prefetch_l2(torch.device("cpu"))
+    assert default_prefetch_bytes(torch.device("cpu")) == 0
+
+
+def _table(plan: PrefetchPlan) -> list[tuple[int, int]]:
+    return [tuple(row) for row in plan.table.tolist()]
+
+
+def test_stack_prefetches_each_layers_o_then_gate_up(monkeypatch):
+    """Each dense layer's plan covers its o projection's weight whole, then its gate_up's first bytes up to
+    the budget; a mixture-of-experts layer's, its o projection only (its experts are read by `fused_moe`)."""
+    config = ModelConfig.from_hf_dict({**COMMON, **FAMILIES["qwen3_moe"]})  # layer 0 dense, layer 1 MoE
+    model = _build(config, fused=True)
+    layers = model.model.layers
+    o_bytes = layers[0].self_attn.o_proj.weight.nbytes
+    budget = o_bytes + 1_000
+    monkeypatch.setattr(fused_stack, "default_prefetch_bytes", lambda device: budget)
+    model.stack.plan_folding()
+    plans = model.stack.prefetch_plans
+    assert len(plans) == 2
+    dense_o, gate_up = layers[0].self_attn.o_proj.weight, layers[0].mlp.gate_up_proj.weight
+    assert _table(plans[0]) == plan_chunks([dense_o], o_bytes) + [(gate_up.data_ptr(), 992)]
+    assert _table(plans[1]) == plan_chunks([layers[1].self_attn.o_proj.weight], budget)
+    monkeypatch.setattr(fused_stack, "default_prefetch_bytes", lambda device: 0)
+    model.stack.plan_folding()
+    assert model.stack.prefetch_plans == []
