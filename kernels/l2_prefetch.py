@@ -7,7 +7,8 @@ bring the next projections' first bytes (o, then the start of gate_up) into L2 (
 Hopper and later: one instruction a chunk, no registers or shared memory held), so those GEMVs find part
 of their weight on chip. Its programs stay resident until their chunks have arrived (H200: ~7 us for 32 MB
 in 4 KB chunks, 13 us in 16 KB ones), which is why it runs beside the attention rather than before it.
-A prefetch is a hint: it never changes a result.
+A prefetch is a hint: it never changes a result. The fused stack plans it for quantized weights on one GPU only
+(`model/fused_stack.py`): 16-bit weights already stream near the copy rate at batch 1.
 
 The chunks are planned once, at load (`PrefetchPlan`): addresses are fixed for the life of the weights,
 so the launch is CUDA-graph capturable and does no host work beyond the launch itself.
