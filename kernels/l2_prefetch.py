@@ -1,13 +1,14 @@
 """Weights pulled into L2 while a small decode batch's attention leaves the memory bus idle.
 
-At batch 1 a layer's GEMVs stream its weights at close to the copy rate, but between the qkv and the o
-projection the decode attention reads a few KB of KV cache a sequence for ~10 us, with the HBM next to
-idle. A small kernel launched beside the attention, on a stream of its own, asks the memory system to
-bring the next projections' first bytes (o, then the start of gate_up) into L2 (`cp.async.bulk.prefetch.L2`,
-Hopper and later: one instruction a chunk, no registers or shared memory held), so those GEMVs find part
-of their weight on chip. Its programs stay resident until their chunks have arrived (H200: ~7 us for 32 MB
-in 4 KB chunks, 13 us in 16 KB ones), which is why it runs beside the attention rather than before it.
-A prefetch is a hint: it never changes a result. The fused stack plans it for quantized weights on one GPU only
+At batch 1, between a layer's qkv and o projections, the decode attention reads a few KB of KV cache a
+sequence for ~10 us with the HBM next to idle, and the quantized GEMVs that follow are bound by their
+latency more than by the bus (int4 ~1.6 TB/s on an H100 and on an H200 alike). A small kernel launched
+beside the attention, on a stream of its own, asks the memory system to bring the next projections' first
+bytes (o, then the start of gate_up) into L2 (`cp.async.bulk.prefetch.L2`, Hopper and later: one
+instruction a chunk, no registers or shared memory held), so those GEMVs find part of their weight on
+chip. Its programs stay resident until their chunks have arrived (H200: ~7 us for 32 MB in 4 KB chunks,
+13 us in 16 KB ones), which is why it runs beside the attention rather than before it. A prefetch is a
+hint: it never changes a result. The fused stack plans it for quantized weights on one GPU only
 (`model/fused_stack.py`): 16-bit weights already stream near the copy rate at batch 1.
 
 The chunks are planned once, at load (`PrefetchPlan`): addresses are fixed for the life of the weights,
@@ -50,7 +51,7 @@ def _prefetch_l2_kernel(table_ptr, num_chunks, BLOCK: tl.constexpr):
 
 
 def can_prefetch_l2(device: torch.device) -> bool:
-    """Whether `prefetch_l2` does anything on `device`: a compiled CUDA run on Hopper or later."""
+    """Whether `PrefetchPlan.launch` does anything on `device`: a compiled CUDA run on Hopper or later."""
     if device.type != "cuda" or is_interpreter():
         return False
     return _is_hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())

@@ -17,8 +17,9 @@ the SiLU gate in the down projection's, and the residual adds in the o and down 
 epilogues, and the rotary (with Qwen3's QK-norm) and the KV write happen inside the decode attention kernel
 (`kernels/decode_prologue.py`). A layer then launches qkv, attention, o, gate_up and down; on
 tensor-parallel shards, plus the o and down projections' all-reduces.
-Up to `MAX_PREFETCH_ROWS` rows on Hopper, a kernel on a second stream runs beside each layer's attention and
-brings the o and gate_up weights' first bytes into L2 (`kernels/l2_prefetch.py`); o waits for it.
+With quantized weights on one Hopper GPU, up to `MAX_PREFETCH_ROWS` rows, a kernel on a second stream runs
+beside each layer's attention and brings the o and gate_up weights' first bytes into L2
+(`kernels/l2_prefetch.py`); o waits for it.
 Projections kept in the packed integer layout (int4 / int8: GPTQ, AWQ, compressed-tensors, GGUF,
 in-situ) run `kernels.quant_matmul` there with the same options, on batches of up to
 `QUANT_GEMV_FASTER_ROWS` rows (past those the tensor-core GEMM beats the quantized GEMV). The path is
@@ -85,7 +86,8 @@ class FusedStack:
         self.can_fold_gemv: bool | None = None
         self.max_fold_rows = 0
         # Per layer, the o and gate_up weights' first bytes brought into L2 during a small batch's attention
-        # (`kernels/l2_prefetch.py`); planned with the folding. Empty where the device cannot prefetch.
+        # (`kernels/l2_prefetch.py`); planned with the folding. Empty where the device cannot prefetch and for
+        # 16-bit or sharded weights.
         self.prefetch_plans: list[PrefetchPlan] = []
         self.prefetch_stream: torch.cuda.Stream | None = None
 
