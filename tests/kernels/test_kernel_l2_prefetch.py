@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from inference_service.model import fused_stack
 from inference_service.model.config import ModelConfig
@@ -95,3 +96,22 @@ def test_stack_does_not_prefetch_16_bit_weights(monkeypatch):
     monkeypatch.setattr(fused_stack, "default_prefetch_bytes", lambda device: 1 << 20)
     model.stack.plan_folding()
     assert model.stack.prefetch_plans == []
+
+
+def test_kernel_compiles_for_hopper_with_its_prefetch_kept():
+    """Compiled for sm_90 here (no GPU needed: Triton's own ptxas), the prefetch survives although nothing
+    reads the asm's result, and ptxas takes the instruction as written."""
+    pytest.importorskip("triton.backends.nvidia")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from kernels.l2_prefetch import CHUNKS_PER_PROGRAM, _prefetch_l2_kernel
+
+    kernel = JITFunction(getattr(_prefetch_l2_kernel, "fn", _prefetch_l2_kernel))  # the interpreter wraps it
+    source = ASTSource(fn=kernel, signature={"table_ptr": "*i64", "num_chunks": "i32", "BLOCK": "constexpr"},
+                       constexprs={"BLOCK": CHUNKS_PER_PROGRAM})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    prefetches = [line for line in compiled.asm["ptx"].splitlines() if "cp.async.bulk.prefetch.L2.global" in line]
+    assert len(prefetches) == 1 and "@p" in prefetches[0]
+    assert compiled.asm["cubin"]
