@@ -102,11 +102,12 @@ class PrefetchPlan:
         device = tensors[0].device if tensors else torch.device("cpu")
         self.num_bytes = sum(size for _, size in chunks)
         self.table = torch.tensor(chunks, dtype=torch.int64, device=device).reshape(-1, 2)  # [C, 2]
+        self.is_launchable = bool(chunks) and can_prefetch_l2(device)
 
     def launch(self) -> None:
         """Issues the prefetches (nothing where there are no chunks, or `can_prefetch_l2` is false)."""
-        num_chunks = self.table.shape[0]
-        if num_chunks == 0 or not can_prefetch_l2(self.table.device):
+        if not self.is_launchable:
             return
+        num_chunks = self.table.shape[0]
         grid = (triton.cdiv(num_chunks, CHUNKS_PER_PROGRAM),)
         _prefetch_l2_kernel[grid](self.table, num_chunks, BLOCK=CHUNKS_PER_PROGRAM, num_warps=4)

@@ -118,8 +118,7 @@ class FusedStack:
         """One plan a layer, launched beside its attention: its o projection's streamed weight, then its dense
         MLP's gate_up, up to `default_prefetch_bytes`. (Prefetching each projection's successor beside it as well
         measured slower: beside a GEMV the prefetch takes the bus the GEMV streams on.)"""
-        first = _streamed_weight(_local_linear(self.layers[0].self_attn.o_proj)) if len(self.layers) else None
-        max_bytes = default_prefetch_bytes(first.device) if first is not None else 0
+        max_bytes = default_prefetch_bytes(self.cos_sin_cache.device)
         if max_bytes <= 0:
             return []
         plans = []
