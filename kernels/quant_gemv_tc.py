@@ -27,7 +27,8 @@ loop against 6.3):
 
 Narrow layers split K over several programs (`SPLIT_K`): each writes its fp32 partial to a workspace,
 and the program that finishes a column tile last (a counter, acquire-release) sums the partials in a
-fixed order, deterministically, and applies the epilogue. The workspace and counters are left zeroed.
+fixed order, deterministically, and applies the epilogue. The counters are left zeroed; partials are only
+read after their split wrote them, so the workspace holds whatever the last call left.
 
 The fused decoder's options are those of `kernels.gemv` (`gated`, `norm_weight`, `residual`); the
 input then passes through the same fp32 prologue and is rounded to x's dtype once, as the unfused layers
@@ -217,8 +218,11 @@ def _quant_gemv_tc_kernel(
     if SPLIT_K > 1:
         slab = tl.num_programs(2) * BLOCK_M * N  # one split's [M_pad, N] partials
         ws_at = offs_m[None, :] * N + offs_n[:, None]  # [BN, BM]
+        # NOTE: the rows of x only (a decode call's one row of 16 padded: 1/16 of the traffic); every split
+        # writes its partials before it arrives, so the workspace needs no clearing between calls
+        ws_mask = n_mask[:, None] & (offs_m[None, :] < M)
         tile = tl.program_id(2) * tl.num_programs(0) + pid_n  # this output tile's counter
-        tl.store(ws_ptr + tl.program_id(1) * slab + ws_at, acc, mask=n_mask[:, None])
+        tl.store(ws_ptr + tl.program_id(1) * slab + ws_at, acc, mask=ws_mask)
         # NOTE: one thread's release does not publish the other threads' stores (seen on an H200: the rows
         # other lanes held went missing): each thread fences its own before the arrival
         _fence_gpu(pid_n)
@@ -228,13 +232,8 @@ def _quant_gemv_tc_kernel(
             tl.debug_barrier()
             _fence_gpu(pid_n)
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for split in range(SPLIT_K):
-                acc += tl.load(ws_ptr + split * slab + ws_at, mask=n_mask[:, None], other=0.0, cache_modifier=".cg")
-            # NOTE: the zeros are stored by other threads than the ones that loaded (the layouts differ):
-            # every load before any of them
-            tl.debug_barrier()
-            for split in range(SPLIT_K):
-                tl.store(ws_ptr + split * slab + ws_at, tl.zeros_like(acc), mask=n_mask[:, None])
+            for split in tl.static_range(SPLIT_K):  # unrolled: the loads in flight together, summed in split order
+                acc += tl.load(ws_ptr + split * slab + ws_at, mask=ws_mask, other=0.0, cache_modifier=".cg")
             tl.store(count_ptr + tile, 0)
             if NORM:  # every program saw only its K range of x: the norm's sums again, whole
                 squares = _row_squares(x_ptr, offs_m, M, K, stride_xm, BLOCK_M)
@@ -349,8 +348,8 @@ WORKSPACE_FLOATS = 1 << 22
 
 
 def _workspace(device: torch.device, num_floats: int, num_counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A zeroed fp32 workspace and int32 counters for split-K, kept zero by the kernel (one per device;
-    launches on one stream never overlap: each waits for the previous kernel before it touches them)."""
+    """An fp32 workspace and int32 counters for split-K, the counters zeroed and kept zero by the kernel (one
+    per device; launches on one stream never overlap: each waits for the previous kernel before it touches them)."""
     ws, counts = _WORKSPACES.get(device, (None, None))
     if ws is None or ws.numel() < num_floats or counts.numel() < num_counters:
         ws = torch.zeros(max(num_floats, WORKSPACE_FLOATS), dtype=torch.float32, device=device)
