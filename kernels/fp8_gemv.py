@@ -114,18 +114,20 @@ def _accumulate(acc, code, x_rows, s_rows, k0, offs_k, K, m_mask, n_mask, GROUP_
 
 def fp8_gemv_config(num_rows: int, n: int, is_k_blocked: bool = False) -> dict:
     """Tiles measured best at one row (`bench/gpu_quant.py --sweep`, Llama-3-8B's projections, 2026-11-26):
-    per-channel scales take a 1024-wide K tile and 8 columns a program on 4 warps (H100: 0.77-1.89 -> 1.56-2.39
-    TB/s). Scales in [128, 128] blocks, with K tiles spanning several blocks at one row: 1024-wide K tiles on 4
-    warps, 16 columns on the wide layers (qkv, gate_up) and 4 on the narrow ones (H200: gate_up 0.41 -> 2.61,
-    qkv 0.95 -> 1.92, o 1.21 -> 1.49, down 1.36 -> 1.75 TB/s against the 8-warp tiles made for K tiles inside
-    a block). More rows narrow the K tile, keeping the products of a step in the register budget."""
+    per-channel scales take 4 columns a program on 4 warps and a 2048-wide K tile: in the decode step (CUDA
+    graphs, PDL) that beat the 8 x 1024 tiles each projection measured best alone (H200, served batch 1, 2026-11-28:
+    262.6 -> 288.7 tok/s; 8 x 2048 282.3, 4 x 4096 286.6, 8 x 1024 on 2 warps 267.7). Scales in [128, 128]
+    blocks, with K tiles spanning several blocks at one row: 1024-wide K tiles on 4 warps, 16 columns on the wide
+    layers (qkv, gate_up) and 4 on the narrow ones (H200: gate_up 0.41 -> 2.61, qkv 0.95 -> 1.92, o 1.21 -> 1.49,
+    down 1.36 -> 1.75 TB/s against the 8-warp tiles made for K tiles inside a block; not measured in the step).
+    More rows narrow the K tile, keeping the products of a step in the register budget."""
     block_m = next_pow2(num_rows)
     if is_k_blocked:
         block_n, num_warps = (16 if n >= 6144 else 4), 4
         block_k = max(64, min(1024, 16384 // (block_m * block_n)))
         return {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": 3}
-    block_n, num_warps = 8, 4
-    block_k = max(64, min(1024, 8192 // (block_m * block_n)))
+    block_n, num_warps = 4, 4
+    block_k = max(64, min(2048, 8192 // (block_m * block_n)))
     return {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": 3}
 
 
@@ -134,9 +136,9 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n
              out: torch.Tensor | None = None, tile_n: int | None = None, tile_k: int | None = None,
              num_warps: int | None = None) -> torch.Tensor:
     """x [M, K] (a few rows; `fp8_linear` sends up to MAX_FP8_GEMV_ROWS) @ (weight * scale blocks).T
-    + bias (+ residual) -> [M, N] in x's dtype, fp32 accumulation. `weight` e4m3 [N, K], `scale` float32 per [block_n, block_k] block.
-    Arguments are checked by `fp8_linear`, the entry point. `weight` is read before the PDL wait
-    (kernels/README.md)."""
+    + bias (+ residual) -> [M, N] in x's dtype, fp32 accumulation. `weight` e4m3 [N, K], `scale` float32 per
+    [block_n, block_k] block. Arguments are checked by `fp8_linear`, the entry point. `weight` is read before
+    the PDL wait (kernels/README.md)."""
     num_rows, k = x.shape
     n = weight.shape[0]
     if out is None:
