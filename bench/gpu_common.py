@@ -169,6 +169,15 @@ def weight_bytes_per_step(model) -> int:
     return total
 
 
+def stored_bytes_per_step(model) -> int:
+    """Weights one decode step reads as the model keeps them (packed where quantized): `num_weight_bytes` less
+    an embedding table no projection shares (a step reads one row of it; tied, it is the lm_head's)."""
+    linear_params = {id(p) for m in model.modules() if isinstance(m, LinearBase) for p in m.parameters()}
+    table = sum(p.numel() * p.element_size() for p in model.model.embed_tokens.parameters()
+                if id(p) not in linear_params)
+    return model.num_weight_bytes - table
+
+
 def matmul_tflops(n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
     """Dense matmul rate of the device (median of 10 n x n x n products after 3 warm-ups)."""
     a = torch.randn(n, n, device=DEVICE).to(dtype)

@@ -30,7 +30,8 @@ def section_served(results: dict, device: str, methods: list[str]) -> None:
     """The engine's own decode (LLMEngine.step, CUDA graphs, 128-token prompt, 512 new tokens, batch 1)
     with bf16 weights and each `--quantization` (in-situ quantized from the same random bf16 weights),
     as bench/gpu_perf.py measures bf16, and the time to first token of a 2000-token prompt. Roofline: copy
-    bandwidth / the bytes of weights a step reads."""
+    bandwidth / the bytes of weights a step reads (`gpu_common.stored_bytes_per_step`: the embedding table,
+    of which a step reads one row, left out; `weight_gb` is the weights' memory, the table included)."""
     import gpu_common
     import gpu_perf
 
@@ -56,6 +57,7 @@ def section_served(results: dict, device: str, methods: list[str]) -> None:
                 loaded = dataclasses.replace(dense, model=model, quantization=summarize_model(model, f"in-situ {method}"))
             quantize_s = time.perf_counter() - t0
             weight_bytes = loaded.model.num_weight_bytes
+            step_bytes = gpu_common.stored_bytes_per_step(loaded.model)
             engine = gpu_common.make_engine(loaded.model_path, device, "bfloat16", load_format="dummy",
                                             loaded=loaded, max_cuda_graph_batch_size=8)  # batch 1 only
             params = SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True)
@@ -67,9 +69,10 @@ def section_served(results: dict, device: str, methods: list[str]) -> None:
                 stamps.append(time.perf_counter())
             tok_s = 511 / (stamps[-1] - stamps[1])
             row = {"decode_tok_s": round(tok_s, 1), "ttft_2k_ms": _ttft_ms(engine, 2000),
-                   "weight_gb": round(weight_bytes / 1e9, 3), "quantize_s": round(quantize_s, 1)}
+                   "weight_gb": round(weight_bytes / 1e9, 3), "step_gb": round(step_bytes / 1e9, 3),
+                   "quantize_s": round(quantize_s, 1)}
             if copy_gbs:
-                roofline = copy_gbs * 1e9 / weight_bytes  # as the weight passes' rooflines
+                roofline = copy_gbs * 1e9 / step_bytes
                 row.update(roofline_tok_s=round(roofline, 1), ratio_to_roofline=round(tok_s / roofline, 3))
             if method in targets:
                 row["target_tok_s"] = targets[method]
