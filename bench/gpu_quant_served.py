@@ -26,6 +26,21 @@ def _ttft_ms(engine, prompt_len: int, reps: int = 3) -> float:
     return round(sorted(times)[len(times) // 2] * 1e3, 1)
 
 
+def batch1_decode_tok_s(engine, prompt_len: int = 128, new_tokens: int = 512, request_id: str = "bench") -> float:
+    """Output tok/s of one greedy request alone in the engine (ignore_eos), timed from its second token on: the
+    decode steps only, as `--only served` reports them."""
+    from inference_service.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    prompt = torch.randint(0, 128000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine.add_request(engine.input_processor.process(request_id, prompt, params))
+    stamps = [time.perf_counter()]
+    while engine.has_unfinished:
+        engine.step()
+        stamps.append(time.perf_counter())
+    return (new_tokens - 1) / (stamps[-1] - stamps[1])
+
+
 def section_served(results: dict, device: str, methods: list[str]) -> None:
     """The engine's own decode (LLMEngine.step, CUDA graphs, 128-token prompt, 512 new tokens, batch 1)
     with bf16 weights and each `--quantization` (in-situ quantized from the same random bf16 weights),
@@ -35,7 +50,6 @@ def section_served(results: dict, device: str, methods: list[str]) -> None:
     import gpu_common
     import gpu_perf
 
-    from inference_service.engine.sampling_params import SamplingParams
     from inference_service.model.quantization import (
         quantize_loaded_model,
         summarize_model,
@@ -60,14 +74,7 @@ def section_served(results: dict, device: str, methods: list[str]) -> None:
             step_bytes = gpu_common.stored_bytes_per_step(loaded.model)
             engine = gpu_common.make_engine(loaded.model_path, device, "bfloat16", load_format="dummy",
                                             loaded=loaded, max_cuda_graph_batch_size=8)  # batch 1 only
-            params = SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True)
-            prompt = torch.randint(0, 128000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
-            engine.add_request(engine.input_processor.process("bench", prompt, params))
-            stamps = [time.perf_counter()]
-            while engine.has_unfinished:
-                engine.step()
-                stamps.append(time.perf_counter())
-            tok_s = 511 / (stamps[-1] - stamps[1])
+            tok_s = batch1_decode_tok_s(engine)
             row = {"decode_tok_s": round(tok_s, 1), "ttft_2k_ms": _ttft_ms(engine, 2000),
                    "weight_gb": round(weight_bytes / 1e9, 3), "step_gb": round(step_bytes / 1e9, 3),
                    "quantize_s": round(quantize_s, 1)}
