@@ -58,19 +58,9 @@ def parse_variant(text: str) -> tuple[str | None, dict]:
     return kernel, tiles
 
 
-def _split_for_fill(tiles: dict, n: int, k: int, fill: float) -> int:
-    """quant_gemv_tc's split rule with another fill: double until the grid holds `fill` programs an SM."""
-    num_tiles, split = -(-n // tiles["block_n"]), 1
-    while (num_tiles * split < fill * torch.cuda.get_device_properties(0).multi_processor_count
-           and k // (split * 2) >= 4 * tiles["block_k"]
-           and 2 * split * quant_gemv_tc.MAX_ROWS * n <= quant_gemv_tc.WORKSPACE_FLOATS):
-        split *= 2
-    return split
-
-
 def install(kernel: str | None, tiles: dict) -> None:
     """Every kernel's config function back to the shipped one, then `kernel`'s overridden at one row."""
-    for name, (module, attr) in KERNELS.items():
+    for module, attr in KERNELS.values():
         shipped = getattr(module, "_shipped_" + attr, None) or getattr(module, attr)
         setattr(module, "_shipped_" + attr, shipped)
         setattr(module, attr, shipped)
@@ -82,13 +72,14 @@ def install(kernel: str | None, tiles: dict) -> None:
     def config(*args, **kwargs):
         cfg = dict(shipped(*args, **kwargs))
         if kernel == "quant_gemv_tc":
-            n, k = args[0], args[1]
+            n, k, device = args[0], args[1], args[3]
             num_rows = kwargs.get("num_rows", args[6] if len(args) > 6 else 1)
             if num_rows > quant_gemv_tc.MAX_ROWS:
                 return cfg
             cfg.update({key: v for key, v in tiles.items() if key != "split_fill"})
             if "split_fill" in tiles:
-                cfg["split_k"] = _split_for_fill(cfg, n, k, tiles["split_fill"])
+                cfg["split_k"] = quant_gemv_tc.k_splits(n, k, num_rows, cfg["block_n"], cfg["block_m"],
+                                                        cfg["block_k"], tiles["split_fill"], device)
         elif kernel == "fp8_gemv":
             if args[0] != 1:  # num_rows
                 return cfg

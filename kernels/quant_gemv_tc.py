@@ -329,16 +329,24 @@ def quant_gemv_tc_config(n: int, k: int, group: int, device: torch.device, has_p
         block_m = 64 if num_rows <= 64 else 256 if n >= 16384 and num_rows > 128 else 128
         block_n = 64 if block_m == 64 and n < 16384 and k < 8192 else 128
         num_warps = 4 if block_n == 64 or (block_m == 128 and n < 16384) else 8
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(num_rows, block_m)
     # NOTE: a row block's partials are BM times a row's: split-K pays there only for the long weights, up to
     # 0.75 programs an SM (64 rows: qkv 21.2 us unsplit against 29.4 split 4; down 44.4 split 4, 51.4 split 8)
     fill = 1.5 if block_m == MAX_ROWS else 0.75 if k >= 8192 else 0
+    split = k_splits(n, k, num_rows, block_n, block_m, block_k, fill, device)
+    return {"block_n": block_n, "block_m": block_m, "block_k": block_k, "sub_k": sub_k, "split_k": split,
+            "num_warps": num_warps, "num_stages": 3}
+
+
+def k_splits(n: int, k: int, num_rows: int, block_n: int, block_m: int, block_k: int, fill: float,
+             device: torch.device) -> int:
+    """How many programs share a column tile's K: doubled until the grid holds `fill` programs an SM, while each
+    keeps 4 K steps and the partials fit the workspace."""
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(num_rows, block_m)
     split = 1
     while (tiles * split < fill * num_sms(device) and k // (split * 2) >= 4 * block_k
            and 2 * split * triton.cdiv(num_rows, block_m) * block_m * n <= WORKSPACE_FLOATS):
         split *= 2
-    return {"block_n": block_n, "block_m": block_m, "block_k": block_k, "sub_k": sub_k, "split_k": split,
-            "num_warps": num_warps, "num_stages": 3}
+    return split
 
 
 _WORKSPACES: dict = {}
