@@ -19,36 +19,35 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     import triton.language as tl
     from triton.runtime import interpreter as _interpreter
 
-    _patch_lang = _interpreter._patch_lang
+    class _PatchOncePerLaunch:
+        """Triton's interpreter patches `triton.language` for every launch (restored at its end) and again at every
+        device-function call inside it (never restored): the same modules, the same patches, ~1 ms each, half of an
+        interpreted decoder test's time. Inside a launch, a call whose modules the launch patched reuses them."""
 
-    class _LaunchPatched:
-        """What a device function called inside an interpreted launch gets instead of a fresh patch scope."""
+        def __init__(self, patch_lang):
+            self.patch_lang = patch_lang
+            self.patched: set[int] = set()  # ids of the language modules the launch in flight patched
+
+        def __call__(self, fn):
+            langs = {id(value) for value in fn.__globals__.values()
+                     if inspect.ismodule(value) and value in (tl, tl.core)}
+            if self.patched and langs <= self.patched:
+                return self  # a scope whose restore() does nothing: the launch restores
+            scope = self.patch_lang(fn)
+            if self.patched:  # a device call reaching a module the launch did not patch: kept patched, as in Triton
+                self.patched |= langs
+                return scope
+            self.patched = langs
+            restore = scope.restore
+
+            def end_of_launch() -> None:
+                self.patched = set()
+                restore()
+
+            scope.restore = end_of_launch
+            return scope
 
         def restore(self) -> None:
             pass
 
-    def _lang_modules(fn) -> set[int]:
-        return {id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
-
-    def _patch_lang_once(fn, _patched: list = [set()]):  # noqa: B006 - the lang modules patched by the launch in flight
-        """Triton's interpreter patches `triton.language` for every launch (restored at its end) and again at every
-        device-function call inside it (never restored): the same modules, the same patches, ~1 ms each, half of an
-        interpreted decoder test's time. Inside a launch, a call whose modules the launch patched reuses them."""
-        langs = _lang_modules(fn)
-        if _patched[0] and langs <= _patched[0]:
-            return _LaunchPatched()
-        scope = _patch_lang(fn)
-        if _patched[0]:  # a device call reaching a module the launch did not patch: as Triton does, kept patched
-            _patched[0] |= langs
-            return scope
-        _patched[0] = set(langs)
-        restore = scope.restore
-
-        def end_of_launch() -> None:
-            _patched[0] = set()
-            restore()
-
-        scope.restore = end_of_launch
-        return scope
-
-    _interpreter._patch_lang = _patch_lang_once
+    _interpreter._patch_lang = _PatchOncePerLaunch(_interpreter._patch_lang)
