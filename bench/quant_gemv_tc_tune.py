@@ -37,7 +37,8 @@ from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.norm import rms_norm  # noqa: E402
 from kernels.quant_gemm import quant_gemm  # noqa: E402
 from kernels.quant_gemv import quant_gemv  # noqa: E402
-from kernels.quant_gemv_tc import quant_gemv_tc, quant_gemv_tc_config  # noqa: E402
+from kernels.quant_gemv_tc import quant_gemv_tc  # noqa: E402
+from kernels.quant_gemv_tc_tiles import quant_gemv_tc_config  # noqa: E402
 from kernels.quant_layout import IntPackedWeight  # noqa: E402
 from kernels.quant_tiles import with_row_tiles  # noqa: E402
 

@@ -33,9 +33,11 @@ import gpu_perf  # noqa: E402
 import torch  # noqa: E402
 from gpu_quant_served import batch1_decode_tok_s  # noqa: E402
 
+from kernels.quant_gemv_tc_tiles import MAX_ROWS, k_splits  # noqa: E402
+
 # NOTE: the modules by name (`kernels` exports functions of the same names)
 quant_gemv_tc = importlib.import_module("kernels.quant_gemv_tc")
-# kernel: (its module, the name of the config function its launcher looks up at every call)
+# kernel: (its module, the name of the config function its launcher looks up there at every call)
 KERNELS = {"fp8_gemv": (importlib.import_module("kernels.fp8_gemv"), "fp8_gemv_config"),
            "quant_gemv_tc": (quant_gemv_tc, "quant_gemv_tc_config"),
            "quant_gemv": (importlib.import_module("kernels.quant_gemv"), "quant_gemv_config")}
@@ -74,12 +76,12 @@ def install(kernel: str | None, tiles: dict) -> None:
         if kernel == "quant_gemv_tc":
             n, k, device = args[0], args[1], args[3]
             num_rows = kwargs.get("num_rows", args[6] if len(args) > 6 else 1)
-            if num_rows > quant_gemv_tc.MAX_ROWS:
+            if num_rows > MAX_ROWS:
                 return cfg
             cfg.update({key: v for key, v in tiles.items() if key != "split_fill"})
             if "split_fill" in tiles:
-                cfg["split_k"] = quant_gemv_tc.k_splits(n, k, num_rows, cfg["block_n"], cfg["block_m"],
-                                                        cfg["block_k"], tiles["split_fill"], device)
+                cfg["split_k"] = k_splits(n, k, num_rows, cfg["block_n"], cfg["block_m"], cfg["block_k"],
+                                          tiles["split_fill"], device)
         elif kernel == "fp8_gemv":
             if args[0] != 1:  # num_rows
                 return cfg

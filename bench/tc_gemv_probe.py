@@ -24,7 +24,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from gpu_common import graph_seconds  # noqa: E402
 
-from kernels.quant_gemv_tc import quant_gemv_tc, quant_gemv_tc_config  # noqa: E402
+from kernels.quant_gemv_tc import quant_gemv_tc  # noqa: E402
+from kernels.quant_gemv_tc_tiles import quant_gemv_tc_config  # noqa: E402
 from kernels.quant_layout import IntPackedWeight  # noqa: E402
 from kernels.quant_tiles import with_row_tiles  # noqa: E402
 

@@ -36,7 +36,8 @@ from kernels._common import (
     require_same_device,
 )
 from kernels.quant_gemv import MAX_QUANT_GEMV_ROWS, QUANT_GEMV_FASTER_ROWS, on_tensor_cores, quant_gemv
-from kernels.quant_gemv_tc import quant_gemv_tc, row_blocks_win
+from kernels.quant_gemv_tc import quant_gemv_tc
+from kernels.quant_gemv_tc_tiles import row_blocks_win
 from kernels.quant_layout import (
     IntPackedWeight,
     act_planes,
