@@ -36,10 +36,9 @@ from gpu_quant_served import batch1_decode_tok_s  # noqa: E402
 from kernels.quant_gemv_tc_tiles import MAX_ROWS, k_splits  # noqa: E402
 
 # NOTE: the modules by name (`kernels` exports functions of the same names)
-quant_gemv_tc = importlib.import_module("kernels.quant_gemv_tc")
 # kernel: (its module, the name of the config function its launcher looks up there at every call)
 KERNELS = {"fp8_gemv": (importlib.import_module("kernels.fp8_gemv"), "fp8_gemv_config"),
-           "quant_gemv_tc": (quant_gemv_tc, "quant_gemv_tc_config"),
+           "quant_gemv_tc": (importlib.import_module("kernels.quant_gemv_tc"), "quant_gemv_tc_config"),
            "quant_gemv": (importlib.import_module("kernels.quant_gemv"), "quant_gemv_config")}
 INT_KEYS = {"block_n", "block_k", "split_k", "num_warps", "num_stages"}
 
