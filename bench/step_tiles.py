@@ -12,8 +12,9 @@ A variant is `base` (the shipped tiles) or `KERNEL:key=value,...`, overriding wh
 returns for one row: `fp8_gemv` (block_n, block_k, num_warps, num_stages), `quant_gemv_tc` (block_n, split_k,
 num_warps, num_stages; split_fill=F re-derives split_k until the grid holds F programs a multiprocessor) and
 `quant_gemv` (the CUDA-core GEMV of the formats the tensor cores do not take, e.g. GGUF Q4_K / Q8_0: block_n,
-block_k, num_warps, num_stages, at every row count it serves). GPU only (Llama-3-8B dummy weights,
-`--method` quantizes them in situ as `serve --quantization` does). Prints a JSON line a measurement.
+block_k, num_warps, num_stages, at every row count it serves). `KERNEL[key=value,...]:...` overrides only the calls
+whose shipped tiles match the bracket, e.g. `quant_gemv_tc[block_n=128]:num_warps=8`. GPU only (Llama-3-8B dummy
+weights, `--method` quantizes them in situ as `serve --quantization` does). Prints a JSON line a measurement.
 """
 
 from __future__ import annotations
@@ -43,24 +44,34 @@ KERNELS = {"fp8_gemv": (importlib.import_module("kernels.fp8_gemv"), "fp8_gemv_c
 INT_KEYS = {"block_n", "block_k", "split_k", "num_warps", "num_stages"}
 
 
-def parse_variant(text: str) -> tuple[str | None, dict]:
-    """'base' -> (None, {}); 'KERNEL:k=v,k=v' -> (KERNEL, {k: v}), values ints (split_fill a float)."""
-    if text == "base":
-        return None, {}
-    kernel, _, spec = text.partition(":")
-    if kernel not in KERNELS or not spec:
-        raise SystemExit(f"variant {text!r}: base or KERNEL:key=value,... with KERNEL one of {sorted(KERNELS)}")
-    tiles = {}
+def _key_values(text: str, spec: str, keys: set) -> dict:
+    """'k=v,k=v' -> {k: v}, values ints (split_fill a float)."""
+    values = {}
     for item in spec.split(","):
         key, _, value = item.partition("=")
-        if key not in INT_KEYS | {"split_fill"} or not value:
+        if key not in keys or not value:
             raise SystemExit(f"variant {text!r}: unknown or empty key {key!r}")
-        tiles[key] = float(value) if key == "split_fill" else int(value)
-    return kernel, tiles
+        values[key] = float(value) if key == "split_fill" else int(value)
+    return values
 
 
-def install(kernel: str | None, tiles: dict) -> None:
-    """Every kernel's config function back to the shipped one, then `kernel`'s overridden at one row."""
+def parse_variant(text: str) -> tuple[str | None, dict, dict]:
+    """'base' -> (None, {}, {}); 'KERNEL[k=v,...]:k=v,...' -> (KERNEL, the tiles to set, the shipped tiles a call
+    must have for them to be set)."""
+    if text == "base":
+        return None, {}, {}
+    head, _, spec = text.partition(":")
+    kernel, _, selector = head.partition("[")
+    if kernel not in KERNELS or not spec or (selector and not selector.endswith("]")):
+        raise SystemExit(f"variant {text!r}: base or KERNEL[key=value,...]:key=value,... with KERNEL one of "
+                         f"{sorted(KERNELS)}")
+    match = _key_values(text, selector[:-1], INT_KEYS) if selector else {}
+    return kernel, _key_values(text, spec, INT_KEYS | {"split_fill"}), match
+
+
+def install(kernel: str | None, tiles: dict, match: dict) -> None:
+    """Every kernel's config function back to the shipped one, then `kernel`'s overridden at one row where its
+    shipped tiles have `match`'s values."""
     for module, attr in KERNELS.values():
         shipped = getattr(module, "_shipped_" + attr, None) or getattr(module, attr)
         setattr(module, "_shipped_" + attr, shipped)
@@ -72,6 +83,8 @@ def install(kernel: str | None, tiles: dict) -> None:
 
     def config(*args, **kwargs):
         cfg = dict(shipped(*args, **kwargs))
+        if any(cfg.get(key) != value for key, value in match.items()):
+            return cfg
         if kernel == "quant_gemv_tc":
             n, k, device = args[0], args[1], args[3]
             num_rows = kwargs.get("num_rows", args[6] if len(args) > 6 else 1)
@@ -106,8 +119,8 @@ def main() -> None:
     step_bytes = gpu_common.stored_bytes_per_step(loaded.model)
     rows = []
     for rnd in range(args.rounds):
-        for text, kernel, tiles in variants:
-            install(kernel, tiles)
+        for text, kernel, tiles, match in variants:
+            install(kernel, tiles, match)
             loaded.model.stack.can_fold_gemv = None  # re-planned (and graphs captured) by the new engine
             engine = gpu_common.make_engine(loaded.model_path, "cuda", "bfloat16", load_format="dummy",
                                             loaded=loaded, max_cuda_graph_batch_size=8)
@@ -120,7 +133,7 @@ def main() -> None:
             del engine
             gc.collect()
             gpu_common.free_device_memory()
-    install(None, {})
+    install(None, {}, {})
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"device": torch.cuda.get_device_name(), "method": args.method, "copy_gbs": round(copy_gbs, 1),

@@ -135,10 +135,6 @@ def _sub_tile(acc, x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, c0, offs_m
     b = tl.arange(0, SUB_K // 2)
     plane_cols = (b // 16) * 32 + b % 16  # plane lo's columns; plane hi's are 16 further
     byte = tl.load(q_at)  # [BN, SUB_K/2] uint8
-    x_lo, squares = _x_planes(x_ptr, nw_ptr, perm_ptr, c0 + plane_cols, offs_m, M, K, stride_xm, squares,
-                              GATED, NORM, HAS_PERM, ACT)
-    x_hi, squares = _x_planes(x_ptr, nw_ptr, perm_ptr, c0 + 16 + plane_cols, offs_m, M, K, stride_xm, squares,
-                              GATED, NORM, HAS_PERM, ACT)
     w_lo, w_hi = _magic_codes(byte, ACT)
     group = c0 // GROUP
     if HAS_ZEROS:
@@ -147,10 +143,19 @@ def _sub_tile(acc, x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, c0, offs_m
         zero = tl.full((BLOCK_N, 1), MAGIC + ZERO, ACT)
     scale = tl.load(s_ptr + rows * stride_s + group).to(tl.float32)[:, None]
     if SCALED:
+        x_lo, squares = _x_planes(x_ptr, nw_ptr, perm_ptr, c0 + plane_cols, offs_m, M, K, stride_xm, squares,
+                                  GATED, NORM, HAS_PERM, ACT)
+        x_hi, squares = _x_planes(x_ptr, nw_ptr, perm_ptr, c0 + 16 + plane_cols, offs_m, M, K, stride_xm, squares,
+                                  GATED, NORM, HAS_PERM, ACT)
         acc = mma(_scaled(w_lo, zero, cast(scale, ACT)), x_lo, acc, "tf32", _INTERPRETED)
         return mma(_scaled(w_hi, zero, cast(scale, ACT)), x_hi, acc, "tf32", _INTERPRETED), squares
-    part = mma(_minus(w_lo, zero), x_lo, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), "tf32", _INTERPRETED)
-    part = mma(_minus(w_hi, zero), x_hi, part, "tf32", _INTERPRETED)
+    # NOTE: both planes in one MMA of SUB_K columns (plane lo's, then plane hi's), one wait a sub-tile, not two
+    w = tl.reshape(tl.permute(tl.join(_minus(w_lo, zero), _minus(w_hi, zero)), (0, 2, 1)), (BLOCK_N, SUB_K))
+    kk = tl.arange(0, SUB_K)  # -> plane_cols, then 16 + plane_cols
+    cols = ((kk // 16) % (SUB_K // 32)) * 32 + (kk // (SUB_K // 2)) * 16 + kk % 16
+    xt, squares = _x_planes(x_ptr, nw_ptr, perm_ptr, c0 + cols, offs_m, M, K, stride_xm, squares, GATED, NORM,
+                            HAS_PERM, ACT)
+    part = mma(w, xt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), "tf32", _INTERPRETED)
     return acc + part * scale, squares
 
 
