@@ -13,7 +13,8 @@ returns for one row: `fp8_gemv` (block_n, block_k, num_warps, num_stages), `quan
 num_warps, num_stages; split_fill=F re-derives split_k until the grid holds F programs a multiprocessor) and
 `quant_gemv` (the CUDA-core GEMV of the formats the tensor cores do not take, e.g. GGUF Q4_K / Q8_0: block_n,
 block_k, num_warps, num_stages, at every row count it serves). `KERNEL[key=value,...]:...` overrides only the calls
-whose shipped tiles match the bracket, e.g. `quant_gemv_tc[block_n=128]:num_warps=8`. GPU only (Llama-3-8B dummy
+whose shipped tiles match the bracket, e.g. `quant_gemv_tc[block_n=128]:num_warps=8` (`quant_gemv_tc` also
+matches the weight's n and k: `quant_gemv_tc[n=28672]:block_n=64` retiles gate_up alone). GPU only (Llama-3-8B dummy
 weights, `--method` quantizes them in situ as `serve --quantization` does). Prints a JSON line a measurement.
 """
 
@@ -65,7 +66,7 @@ def parse_variant(text: str) -> tuple[str | None, dict, dict]:
     if kernel not in KERNELS or not spec or (selector and not selector.endswith("]")):
         raise SystemExit(f"variant {text!r}: base or KERNEL[key=value,...]:key=value,... with KERNEL one of "
                          f"{sorted(KERNELS)}")
-    match = _key_values(text, selector[:-1], INT_KEYS) if selector else {}
+    match = _key_values(text, selector[:-1], INT_KEYS | {"n", "k"}) if selector else {}
     return kernel, _key_values(text, spec, INT_KEYS | {"split_fill"}), match
 
 
@@ -83,7 +84,8 @@ def install(kernel: str | None, tiles: dict, match: dict) -> None:
 
     def config(*args, **kwargs):
         cfg = dict(shipped(*args, **kwargs))
-        if any(cfg.get(key) != value for key, value in match.items()):
+        facts = {**cfg, "n": args[0], "k": args[1]} if kernel == "quant_gemv_tc" else cfg
+        if any(facts.get(key) != value for key, value in match.items()):
             return cfg
         if kernel == "quant_gemv_tc":
             n, k, device = args[0], args[1], args[3]

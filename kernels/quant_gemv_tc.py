@@ -228,10 +228,12 @@ def _quant_gemv_tc_kernel(
         tile = tl.program_id(2) * tl.num_programs(0) + pid_n  # this output tile's counter
         tl.store(ws_ptr + tl.program_id(1) * slab + ws_at, acc, mask=ws_mask)
         # NOTE: one thread's release does not publish the other threads' stores (seen on an H200: the rows
-        # other lanes held went missing): each thread fences its own before the arrival
+        # other lanes held went missing): each thread fences its own before the arrival, and the last program's
+        # threads fence after it, so the counter itself is relaxed (acq_rel drained and invalidated once more:
+        # qkv alone 7.96 -> 7.67 us, o 6.37 -> 6.11 on an H200)
         _fence_gpu(pid_n)
         tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="relaxed", scope="gpu")
         if arrived == SPLIT_K - 1:  # the last program of this output tile: sum and finish
             tl.debug_barrier()
             _fence_gpu(pid_n)
