@@ -25,10 +25,8 @@ loop against 6.3):
 - the codes may sit in row tiles (`quant_tiles.with_row_tiles`, what the loader does on the GPU): a
   program's K step then reads one contiguous run.
 
-Narrow layers split K over several programs (`SPLIT_K`): each writes its fp32 partial to a workspace,
-and the program that finishes a column tile last (a counter, acquire-release) sums the partials in a
-fixed order, deterministically, and applies the epilogue. The counters are left zeroed; partials are only
-read after their split wrote them, so the workspace holds whatever the last call left.
+Narrow layers split K over several programs (`SPLIT_K`, `kernels.split_k`): the program that finishes a
+column tile last sums the fp32 partials in a fixed order, deterministically, and applies the epilogue.
 
 The fused decoder's options are those of `kernels.gemv` (`gated`, `norm_weight`, `residual`); the
 input then passes through the same fp32 prologue and is rounded to x's dtype once, as the unfused layers
@@ -50,8 +48,9 @@ from kernels._common import (
     pdl_args,
     pdl_enter,
 )
-from kernels.quant_gemv_tc_tiles import MAX_ROWS, WORKSPACE_FLOATS, quant_gemv_tc_config
+from kernels.quant_gemv_tc_tiles import MAX_ROWS, quant_gemv_tc_config
 from kernels.quant_layout import IntPackedWeight, _magic_plus
+from kernels.split_k import arrive, sum_partials, workspace
 
 # Row blocks wider than this scale the weight before the MMA (an H100, 2026-11-28: 64-row blocks faster scaling
 # after it, e.g. qkv at 64 rows 21.2 against 26.7 us; 256-row blocks faster before, gate_up at 256 rows 164.9 us
@@ -226,21 +225,9 @@ def _quant_gemv_tc_kernel(
         # writes its partials before it arrives, so the workspace needs no clearing between calls
         ws_mask = n_mask[:, None] & (offs_m[None, :] < M)
         tile = tl.program_id(2) * tl.num_programs(0) + pid_n  # this output tile's counter
-        tl.store(ws_ptr + tl.program_id(1) * slab + ws_at, acc, mask=ws_mask)
-        # NOTE: one thread's release does not publish the other threads' stores (seen on an H200: the rows
-        # other lanes held went missing): each thread fences its own before the arrival, and the last program's
-        # threads fence after it, so the counter itself is relaxed (acq_rel drained and invalidated once more:
-        # qkv alone 7.96 -> 7.67 us, o 6.37 -> 6.11 on an H200)
-        _fence_gpu(pid_n)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="relaxed", scope="gpu")
+        arrived = arrive(acc, ws_ptr, count_ptr, ws_at, ws_mask, slab, tile, pid_n)
         if arrived == SPLIT_K - 1:  # the last program of this output tile: sum and finish
-            tl.debug_barrier()
-            _fence_gpu(pid_n)
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for split in tl.static_range(SPLIT_K):  # unrolled: the loads in flight together, summed in split order
-                acc += tl.load(ws_ptr + split * slab + ws_at, mask=ws_mask, other=0.0, cache_modifier=".cg")
-            tl.store(count_ptr + tile, 0)
+            acc = sum_partials(ws_ptr, count_ptr, ws_at, ws_mask, slab, tile, pid_n, SPLIT_K, BLOCK_N, BLOCK_M)
             if NORM:  # every program saw only its K range of x: the norm's sums again, whole
                 squares = _row_squares(x_ptr, offs_m, M, K, stride_xm, BLOCK_M)
             _finish(acc, squares, b_ptr, r_ptr, y_ptr, offs_n, n_mask, offs_m, M, K, eps, stride_rm, stride_ym,
@@ -248,14 +235,6 @@ def _quant_gemv_tc_kernel(
     else:
         _finish(acc, squares, b_ptr, r_ptr, y_ptr, offs_n, n_mask, offs_m, M, K, eps, stride_rm, stride_ym,
                 HAS_BIAS, NORM, RESIDUAL)
-
-
-@triton.jit
-def _fence_gpu(token):
-    """This thread's memory operations ordered at GPU scope (`__threadfence`); `token`: any scalar."""
-    if not _INTERPRETED:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu;\nmov.u32 $0, $1;", "=r,r", [token], dtype=tl.int32,
-                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -297,20 +276,6 @@ def takes_tensor_cores(w: IntPackedWeight, x: torch.Tensor) -> bool:
             and (is_interpreter() or (x.is_cuda and compute_capability(x.device) >= (8, 0))))
 
 
-_WORKSPACES: dict = {}
-
-
-def _workspace(device: torch.device, num_floats: int, num_counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """An fp32 workspace and int32 counters for split-K, the counters zeroed and kept zero by the kernel (one
-    per device; launches on one stream never overlap: each waits for the previous kernel before it touches them)."""
-    ws, counts = _WORKSPACES.get(device, (None, None))
-    if ws is None or ws.numel() < num_floats or counts.numel() < num_counters:
-        ws = torch.zeros(max(num_floats, WORKSPACE_FLOATS), dtype=torch.float32, device=device)
-        counts = torch.zeros(max(num_counters, 1 << 14), dtype=torch.int32, device=device)
-        _WORKSPACES[device] = (ws, counts)
-    return ws, counts
-
-
 def quant_gemv_tc(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = None, *, gated: bool = False,
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
                   out: torch.Tensor | None = None, block_n: int | None = None, block_m: int | None = None,
@@ -330,7 +295,7 @@ def quant_gemv_tc(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None
     sub_k = min(block_k, tiles["sub_k"])
     split = split_k or tiles["split_k"]
     num_row_blocks = triton.cdiv(num_rows, block_m)
-    ws, counts = (_workspace(x.device, split * num_row_blocks * block_m * n, num_row_blocks * triton.cdiv(n, block_n))
+    ws, counts = (workspace(x.device, split * num_row_blocks * block_m * n, num_row_blocks * triton.cdiv(n, block_n))
                   if split > 1 else (x, x))
     opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"],
                                         "num_stages": num_stages or tiles["num_stages"]}

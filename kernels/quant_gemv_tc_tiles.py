@@ -8,11 +8,9 @@ import triton
 
 from kernels._common import num_sms
 from kernels.quant_layout import IntPackedWeight
+from kernels.split_k import WORKSPACE_FLOATS
 
 MAX_ROWS = 16  # x^T padded to the MMA's smallest N: a decode call's rows, in one row block
-# NOTE: sized for every layer of a large model at once (16 MB): a CUDA graph capture must not be the call that
-# grows it, so the default split never needs more (`quant_gemv_tc_config`)
-WORKSPACE_FLOATS = 1 << 22
 
 
 def row_blocks_win(w: IntPackedWeight, num_rows: int) -> bool:

@@ -10,9 +10,10 @@ import kernels.quant_gemm as quant_gemm_module
 from kernels.norm import rms_norm
 from kernels.quant_gemm import quant_matmul
 from kernels.quant_gemv import quant_gemv
-from kernels.quant_gemv_tc import _WORKSPACES, quant_gemv_tc, takes_tensor_cores
+from kernels.quant_gemv_tc import quant_gemv_tc, takes_tensor_cores
 from kernels.quant_layout import quant_matmul_ref
 from kernels.quant_tiles import with_row_tiles
+from kernels.split_k import _WORKSPACES
 from tests.kernels.kernel_testlib import DEVICE, ON_GPU, TOL, poisoned, rel_err
 from tests.kernels.test_kernel_quant_gemm import fused_case, random_packed
 
