@@ -15,6 +15,8 @@ loop against 6.3):
   MAGIC + q exactly, no conversion instruction;
 - the zero (constant or per group) is subtracted in packed half-precision, two weights an instruction:
   MAGIC + q - (MAGIC + z) is q - z exactly;
+- a sub-tile's two planes (low nibbles, high nibbles) are joined in registers into one MMA, x^T loaded in the
+  same column order, so each sub-tile waits for one MMA;
 - products of 16-bit values are exact in the fp32 accumulator; each group's sum is scaled once (a K
   tile of 128 columns steps through sub-tiles of one group each: one for groups of 128, four for GGUF
   Q4_0's 32). So results equal dequantize-then-matmul up to fp32 summation order;
@@ -97,8 +99,8 @@ def _minus(a, b):
 @triton.jit
 def _x_planes(x_ptr, nw_ptr, perm_ptr, cols, offs_m, M, K, stride_xm, squares,
               GATED: tl.constexpr, NORM: tl.constexpr, HAS_PERM: tl.constexpr, ACT: tl.constexpr):
-    """x^T at columns `cols` [BK/2] through the fused prologue: (ACT [BK/2, BM], squares + this tile's sum of
-    x^2 per row [BM])."""
+    """x^T at columns `cols` [C] through the fused prologue: (ACT [C, BM], squares + this tile's sum of x^2 per
+    row [BM])."""
     if HAS_PERM:
         cols = tl.load(perm_ptr + cols)
     at = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + cols[:, None]
@@ -131,8 +133,6 @@ def _sub_tile(acc, x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, c0, offs_m
     """acc [BN, BM] + columns c0 .. c0 + SUB_K (inside one group) of rows `rows`, their bytes at `q_at`
     [BN, SUB_K/2]: (acc + scale * sum(x * (q - z)), squares). SCALED: the weight scaled in ACT before the MMA
     instead (rounded as the GEMM rounds it), so the MMAs chain on acc with no fp32 work between them."""
-    b = tl.arange(0, SUB_K // 2)
-    plane_cols = (b // 16) * 32 + b % 16  # plane lo's columns; plane hi's are 16 further
     byte = tl.load(q_at)  # [BN, SUB_K/2] uint8
     w_lo, w_hi = _magic_codes(byte, ACT)
     group = c0 // GROUP
@@ -142,6 +142,8 @@ def _sub_tile(acc, x_ptr, perm_ptr, nw_ptr, q_at, s_ptr, z_ptr, rows, c0, offs_m
         zero = tl.full((BLOCK_N, 1), MAGIC + ZERO, ACT)
     scale = tl.load(s_ptr + rows * stride_s + group).to(tl.float32)[:, None]
     if SCALED:
+        b = tl.arange(0, SUB_K // 2)
+        plane_cols = (b // 16) * 32 + b % 16  # plane lo's columns; plane hi's are 16 further
         x_lo, squares = _x_planes(x_ptr, nw_ptr, perm_ptr, c0 + plane_cols, offs_m, M, K, stride_xm, squares,
                                   GATED, NORM, HAS_PERM, ACT)
         x_hi, squares = _x_planes(x_ptr, nw_ptr, perm_ptr, c0 + 16 + plane_cols, offs_m, M, K, stride_xm, squares,

@@ -1,4 +1,4 @@
-"""K split across the programs of a decode GEMV (`quant_gemv_tc`, `fp8_gemv_tc`): each program writes its fp32
+"""K split across the programs of a decode GEMV (`quant_gemv_tc`'s narrow layers): each program writes its fp32
 partial of an output tile to a workspace and counts itself in; the last to arrive sums the partials in split
 order (deterministic) and finishes the tile. The counters are left zeroed; a partial is read only after its split
 wrote it, so the workspace holds whatever the last call left and needs no clearing."""
