@@ -223,8 +223,7 @@ def _quant_gemv_tc_kernel(
     if SPLIT_K > 1:
         slab = tl.num_programs(2) * BLOCK_M * N  # one split's [M_pad, N] partials
         ws_at = offs_m[None, :] * N + offs_n[:, None]  # [BN, BM]
-        # NOTE: the rows of x only (a decode call's one row of 16 padded: 1/16 of the traffic); every split
-        # writes its partials before it arrives, so the workspace needs no clearing between calls
+        # NOTE: the rows of x only (a decode call's one row of 16 padded: 1/16 of the traffic)
         ws_mask = n_mask[:, None] & (offs_m[None, :] < M)
         tile = tl.program_id(2) * tl.num_programs(0) + pid_n  # this output tile's counter
         arrived = arrive(acc, ws_ptr, count_ptr, ws_at, ws_mask, slab, tile, pid_n)
