@@ -11,6 +11,8 @@ from kernels._common import (
     cast,
     is_interpreter,
     next_pow2,
+    pdl_enter,
+    pdl_launch_args,
     require,
     require_dtype,
     require_inner_contiguous,
@@ -27,7 +29,9 @@ def _silu_and_mul_kernel(
     stride_o,
     D: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -58,7 +62,8 @@ def silu_and_mul(
         return out
     block = min(next_pow2(d), 1024)
     opts = {} if is_interpreter() else {"num_warps": 4}
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), D=d, BLOCK=block, **opts)
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), D=d, BLOCK=block,
+                                                               **opts, **pdl_launch_args(x.device, num_tokens))
     return out
 
 

@@ -22,6 +22,8 @@ from kernels._common import (
     cast,
     is_interpreter,
     next_pow2,
+    pdl_enter,
+    pdl_launch_args,
     require,
     require_dtype,
     require_inner_contiguous,
@@ -50,7 +52,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     scale_ptr=None,  # [num_tokens, 1] float32 (QUANTIZE)
     QUANTIZE: tl.constexpr = False,  # out is e4m3, one scale a row
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -110,6 +114,7 @@ def _launch(x, residual, weight, eps, out, weight_offset, scale=None):
         HAS_RESIDUAL=residual is not None,
         **({"scale_ptr": scale, "QUANTIZE": True} if scale is not None else {}),
         **opts,
+        **pdl_launch_args(x.device, num_tokens),
     )
     return out
 
