@@ -137,8 +137,8 @@ class DecodeGraphs:
 
         def prepare(size: int):
             metadata = _padding_metadata(inputs, size, max_seq_len)
-            ids, pos = inputs.input_ids.device[:size], inputs.positions.device[:size]
-            return metadata, lambda: forward(ids, pos, metadata)
+            arrays = inputs.arrays(size, size)
+            return metadata, lambda: forward(arrays.input_ids, arrays.positions, metadata)
 
         start = time.perf_counter()
         # logits: batch size -> [size, vocab] float32 (what forward returned)
@@ -158,14 +158,14 @@ class DecodeGraphs:
 
 
 def _padding_metadata(inputs: StepInputs, size: int, max_seq_len: int) -> AttentionMetadata:
-    """Metadata of `size` one-token sequences over the buffers' prefixes, for capture. The buffers
+    """Metadata of `size` one-token sequences over that shape's views of the buffers, for capture. They
     are filled as padding (slot -1, seq_len 0), so the warm-up and capture runs touch no cache."""
-    inputs.slot_mapping.device[:size].fill_(-1)
-    inputs.seq_lens.device[:size].zero_()
-    inputs.query_start_loc.device[:size + 1].copy_(torch.arange(size + 1, dtype=torch.int32))
-    inputs.input_ids.device[:size].zero_()
-    inputs.positions.device[:size].zero_()
+    arrays = inputs.arrays(size, size)
+    arrays.slot_mapping.fill_(-1)
+    arrays.seq_lens.zero_()
+    arrays.query_start_loc.copy_(torch.arange(size + 1, dtype=torch.int32))
+    arrays.input_ids.zero_()
+    arrays.positions.zero_()
     return AttentionMetadata.for_decode_capture(
-        slot_mapping=inputs.slot_mapping.device[:size], query_start_loc=inputs.query_start_loc.device[:size + 1],
-        seq_lens=inputs.seq_lens.device[:size], block_tables=inputs.block_tables.device[:size],
-        max_seq_len=max_seq_len)
+        slot_mapping=arrays.slot_mapping, query_start_loc=arrays.query_start_loc, seq_lens=arrays.seq_lens,
+        block_tables=inputs.block_tables[:size], max_seq_len=max_seq_len)

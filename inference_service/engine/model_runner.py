@@ -148,7 +148,7 @@ class ModelRunner:
         backend = self.model.attention_backend
         if not hasattr(backend, "compiling_every_variant"):
             return
-        width = self.inputs.block_tables.device.shape[1]  # the steps' own table width (kernels specialize on it)
+        width = self.inputs.block_table_width  # the steps' own table width (kernels specialize on it)
         metadata = AttentionMetadata.for_sequences([1, 1], [1, 2], [[0] * width] * 2, self.block_size, self.device,
                                                    write_kv=False)
         input_ids = torch.zeros(3, dtype=torch.int64, device=self.device)

@@ -54,8 +54,8 @@ class PrefillGraphs:
 
         def prepare(size: int):
             metadata = self._capture_metadata(size)
-            ids, pos = inputs.input_ids.device[:size], inputs.positions.device[:size]
-            return metadata, lambda: forward(ids, pos, metadata, self.last_row)
+            arrays = inputs.arrays(size, 1)
+            return metadata, lambda: forward(arrays.input_ids, arrays.positions, metadata, self.last_row)
 
         start = time.perf_counter()
         self.graphs, self.logits, self.memory_bytes = capture_graphs(device, self.sizes, prepare)
@@ -77,13 +77,12 @@ class PrefillGraphs:
         """One sequence of `size` new tokens over the buffers' prefixes, filled as padding (slot -1), so the
         warm-up and capture runs write nothing to the cache. The host side (the kernels' grids, the dense
         prefill's span) is the padded length's; the device side is rewritten by every step."""
-        inputs = self.inputs
-        inputs.slot_mapping.device[:size].fill_(-1)
-        inputs.input_ids.device[:size].zero_()
-        inputs.positions.device[:size].zero_()
-        inputs.query_start_loc.device[:2].copy_(torch.tensor([0, size], dtype=torch.int32))
-        inputs.seq_lens.device[:1].fill_(size)
+        arrays = self.inputs.arrays(size, 1)
+        arrays.slot_mapping.fill_(-1)
+        arrays.input_ids.zero_()
+        arrays.positions.zero_()
+        arrays.query_start_loc.copy_(torch.tensor([0, size], dtype=torch.int32))
+        arrays.seq_lens.fill_(size)
         return AttentionMetadata.from_step(
-            slot_mapping=inputs.slot_mapping.device[:size], query_start_loc=inputs.query_start_loc.device[:2],
-            seq_lens=inputs.seq_lens.device[:1], block_tables=inputs.block_tables.device[:1],
-            query_start_loc_cpu=[0, size], seq_lens_cpu=[size])
+            slot_mapping=arrays.slot_mapping, query_start_loc=arrays.query_start_loc, seq_lens=arrays.seq_lens,
+            block_tables=self.inputs.block_tables[:1], query_start_loc_cpu=[0, size], seq_lens_cpu=[size])

@@ -34,9 +34,14 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     one thread block each (~27 us for one 128k row on an H100). The max of every 256-wide chunk, then
     argmax over those maxima and within the winning chunk, is several times faster and picks the same
     index: the first chunk holding the maximum holds its first occurrence (NaN counts as the maximum
-    in both). Many rows on a GPU fill it already and keep the single kernel. On the CPU, float32 rows go
-    to the CPU kernels' argmax (`cpu_kernels/argmax.cpp` says why) where the extension is built."""
+    in both). On a GPU, float32 rows go to the one-launch Triton argmax (`kernels/argmax.py`: this took six
+    small launches a step); on the CPU to the CPU kernels' argmax (`cpu_kernels/argmax.cpp` says why) where
+    the extension is built."""
     num_rows, vocab = x.shape
+    if x.device.type == "cuda" and x.dtype == torch.float32 and x.stride(-1) == 1 and vocab:
+        from kernels.argmax import argmax_rows as triton_argmax_rows  # noqa: PLC0415 - Triton on GPUs only
+
+        return triton_argmax_rows(x)
     cpu_ops = cpu_ops_for(x)
     if cpu_ops is not None and x.is_contiguous() and vocab:
         return cpu_ops.argmax_rows(x)

@@ -25,7 +25,8 @@ keeps the memory; on a GPU they come out of the headroom `gpu_memory_fraction` l
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import functools
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,10 +35,10 @@ import torch
 from inference_service.engine.logits_processors import (
     AllowedTokens,
     LogitBias,
-    banned_last_tokens,
-    build_bad_words,
     LogitsProcessor,
     Penalties,
+    banned_last_tokens,
+    build_bad_words,
     build_format_mask,
     build_min_tokens_mask,
 )
@@ -172,7 +173,8 @@ class SamplingState:
         `output_token_ids[i]`: row i's outputs on the host, for its bad words (None for a row without)."""
         n = len(slots)
         slots_np = np.asarray(slots, dtype=np.int64)
-        slot_ids = to_device(slots, torch.long, self.device)  # [N]
+        # [N] on the device, uploaded only for a processor or a sampled row: an all-greedy step uploads nothing
+        slot_ids = functools.cache(lambda: to_device(slots, torch.long, self.device))
         processors: list[LogitsProcessor] = []
         format_mask = build_format_mask(grammars, self.vocab_size, self.device)
         if format_mask is not None:
@@ -201,12 +203,14 @@ class SamplingState:
             history=history,
         )
 
-    def _subset(self, is_row: np.ndarray, slot_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(batch rows [K] or None for every row, their slots [K]) of the rows where `is_row`."""
+    def _subset(self, is_row: np.ndarray, slot_ids: Callable[[], torch.Tensor]
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(batch rows [K] or None for every row, their slots [K]) of the rows where `is_row`; `slot_ids()` is
+        every row's slot on the device."""
         if is_row.all():
-            return None, slot_ids
+            return None, slot_ids()
         rows = to_device(np.flatnonzero(is_row).tolist(), torch.long, self.device)
-        return rows, slot_ids[rows]
+        return rows, slot_ids()[rows]
 
     def _bad_words_mask(self, slots: Sequence[int], output_token_ids: Sequence[Sequence[int] | None] | None):
         rows = [i for i, s in enumerate(slots) if self._bad_words[s]]
@@ -233,7 +237,7 @@ class SamplingState:
             frequency, presence = params[:, _FREQUENCY:_FREQUENCY + 1], params[:, _PRESENCE:_PRESENCE + 1]
         return Penalties(rows, repetition, seen, frequency, presence, counts if frequency is not None else None)
 
-    def _selection(self, slots_np: np.ndarray, slot_ids: torch.Tensor) -> Selection | None:
+    def _selection(self, slots_np: np.ndarray, slot_ids: Callable[[], torch.Tensor]) -> Selection | None:
         """Temperature and filters of the rows drawn at random; None when every row is greedy."""
         is_sampled = ~self._is_greedy[slots_np]
         if not is_sampled.any():

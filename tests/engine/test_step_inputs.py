@@ -107,6 +107,32 @@ def test_pending_tokens_are_gathered_from_the_step_in_flight():
     assert md.slot_mapping.tolist() == [2 * 4 + 2, 3 * 4 + 0, 5 * 4 + 2]
 
 
+def _byte_span(t: torch.Tensor, staging: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr() - staging.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("num_tokens,num_seqs", [(1, 1), (4, 4), (20, 1), (32, 8), (9, 3)])
+def test_a_steps_arrays_are_one_range_below_the_block_tables(num_tokens, num_seqs):
+    """What a step writes is uploaded in one copy: its arrays and block-table rows are one contiguous range of the
+    staging bytes (the pending rows' included only when some are pending), each array aligned to its type, none
+    overlapping another, and a shape gets the same views every time (graphs are captured over them)."""
+    inputs = _inputs()
+    staging = inputs._host  # on the CPU also the device buffer
+    arrays = inputs.arrays(num_tokens, num_seqs)
+    assert arrays is inputs.arrays(num_tokens, num_seqs)
+    assert [a.numel() for a in arrays] == [num_tokens] * 3 + [num_seqs + 1, num_seqs, num_seqs, num_seqs]
+    for a in arrays:
+        assert (a.data_ptr() - staging.data_ptr()) % a.element_size() == 0
+    spans = sorted([_byte_span(a, staging) for a in arrays] + [_byte_span(inputs.block_tables[:num_seqs], staging)])
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert 0 <= start - end < 8  # no overlap; no gap but the pending rows' alignment
+    assert spans[-1] == _byte_span(inputs.block_tables[:num_seqs], staging)  # the tables on top
+    assert inputs.upload_range(num_tokens, num_seqs, num_pending=1) == (spans[0][0], spans[-1][1])
+    assert inputs.upload_range(num_tokens, num_seqs, num_pending=0) == (
+        _byte_span(arrays.query_start_loc, staging)[0], spans[-1][1])
+
+
 def test_capture_sizes():
     assert capture_sizes(1) == [1]
     assert capture_sizes(6) == [1, 2, 4, 6]
