@@ -112,31 +112,21 @@ class StepInputs:
     def arrays(self, num_tokens: int, num_seqs: int) -> StepArrays:
         """The device views a step of `num_tokens` tokens and `num_seqs` sequences is uploaded to (the same
         tensors every time: graphs are captured over them)."""
-        key = (num_tokens, num_seqs)
-        arrays = self._device_arrays.get(key)
+        return self._cached(self._device_arrays, self._device_view, num_tokens, num_seqs)
+
+    def _cached(self, cache: dict, view, num_tokens: int, num_seqs: int) -> StepArrays:
+        arrays = cache.get((num_tokens, num_seqs))
         if arrays is None:
-            if len(self._device_arrays) >= _MAX_CACHED_SHAPES:  # mixed steps of every size: views are cheap
-                self._device_arrays.clear()
-                self._host_arrays.clear()
-
-            def view(at: int, n: int, is_int64: bool) -> torch.Tensor:
-                return self._device[at:at + (8 if is_int64 else 4) * n].view(torch.int64 if is_int64 else torch.int32)
-
-            arrays = self._device_arrays[key] = _arrays(view, self._table_at, num_tokens, num_seqs)
+            if len(cache) >= _MAX_CACHED_SHAPES:  # mixed steps of every size: views are cheap to make again
+                cache.clear()
+            arrays = cache[num_tokens, num_seqs] = _arrays(view, self._table_at, num_tokens, num_seqs)
         return arrays
 
-    def _numpy_arrays(self, num_tokens: int, num_seqs: int) -> StepArrays:
-        key = (num_tokens, num_seqs)
-        arrays = self._host_arrays.get(key)
-        if arrays is None:
-            if len(self._host_arrays) >= _MAX_CACHED_SHAPES:
-                self._host_arrays.clear()
+    def _device_view(self, at: int, n: int, is_int64: bool) -> torch.Tensor:
+        return self._device[at:at + (8 if is_int64 else 4) * n].view(torch.int64 if is_int64 else torch.int32)
 
-            def view(at: int, n: int, is_int64: bool) -> np.ndarray:
-                return self._host_np[at:at + (8 if is_int64 else 4) * n].view(np.int64 if is_int64 else np.int32)
-
-            arrays = self._host_arrays[key] = _arrays(view, self._table_at, num_tokens, num_seqs)
-        return arrays
+    def _numpy_view(self, at: int, n: int, is_int64: bool) -> np.ndarray:
+        return self._host_np[at:at + (8 if is_int64 else 4) * n].view(np.int64 if is_int64 else np.int32)
 
     def prepare(self, scheduled: list[ScheduledSeq], pad_to: int | None = None,
                 pending: PendingTokenIds | None = None,
@@ -159,7 +149,7 @@ class StepInputs:
         if pad_tokens_to is not None and pad_tokens_to > num_tokens:
             assert num_seqs == 1, "only a single prompt's tokens are padded"
             num_tokens = pad_tokens_to
-        host = self._numpy_arrays(num_tokens, num_padded_seqs)
+        host = self._cached(self._host_arrays, self._numpy_view, num_tokens, num_padded_seqs)
         input_ids, positions, slots = host.input_ids, host.positions, host.slot_mapping
         query_start_loc, seq_lens, block_tables = host.query_start_loc, host.seq_lens, self._block_tables_np
         query_start_loc[0] = 0

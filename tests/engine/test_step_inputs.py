@@ -133,6 +133,20 @@ def test_a_steps_arrays_are_one_range_below_the_block_tables(num_tokens, num_seq
         _byte_span(arrays.query_start_loc, staging)[0], spans[-1][1])
 
 
+def test_views_made_again_past_the_cached_shapes(monkeypatch):
+    """Steps of more shapes than are kept: the views are dropped and made again over the same bytes."""
+    monkeypatch.setattr("inference_service.engine.step_inputs._MAX_CACHED_SHAPES", 2)
+    inputs = _inputs()
+    first = inputs.arrays(1, 1)
+    for n in (2, 3, 4):
+        ids, _, md = inputs.prepare([_scheduled(_seq(list(range(10, 10 + n)), [3, 4], 0), n, True)])
+        assert ids.tolist() == list(range(10, 10 + n)) and md.query_start_loc.tolist() == [0, n]
+    again = inputs.arrays(1, 1)
+    assert again is not first and again.input_ids.data_ptr() == first.input_ids.data_ptr()
+    ids, positions, _ = inputs.prepare([_scheduled(_seq([5, 6, 7], [2], 2), 1, True)])
+    assert (ids.tolist(), positions.tolist()) == ([7], [2])
+
+
 def test_capture_sizes():
     assert capture_sizes(1) == [1]
     assert capture_sizes(6) == [1, 2, 4, 6]
