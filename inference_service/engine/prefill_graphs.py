@@ -74,8 +74,8 @@ class PrefillGraphs:
         return self.logits[size]
 
     def _capture_metadata(self, size: int) -> AttentionMetadata:
-        """One sequence of `size` new tokens over the buffers' prefixes, filled as padding (slot -1), so the
-        warm-up and capture runs write nothing to the cache. The host side (the kernels' grids, the dense
+        """One sequence of `size` new tokens over that shape's views of the buffers, filled as padding (slot -1),
+        so the warm-up and capture runs write nothing to the cache. The host side (the kernels' grids, the dense
         prefill's span) is the padded length's; the device side is rewritten by every step."""
         arrays = self.inputs.arrays(size, 1)
         arrays.slot_mapping.fill_(-1)

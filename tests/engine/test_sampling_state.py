@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_llm_engine import PROMPTS, assert_all_blocks_free, loaded, make_engine, run  # noqa: F401 - fixture
 
+from inference_service.engine import sampling_state
 from inference_service.engine.sampler import Sampler
 from inference_service.engine.sampling_params import SamplingParams
 from inference_service.engine.sampling_state import SamplingState
@@ -59,6 +60,23 @@ def test_freed_slot_is_reused_and_every_value_overwritten():
     state.record_sampled(batch, torch.tensor([4, 10]))
     assert state.counts[second].tolist() == _counts([6, 6, 10], vocab)
     assert state.counts[other].tolist() == [0.0] * vocab
+
+
+def test_an_all_greedy_batch_uploads_no_slots(monkeypatch):
+    """The rows' slots go to the device only for a processor or a sampled row (a copy a step on a GPU)."""
+    uploads = []
+    to_device = sampling_state.to_device
+    monkeypatch.setattr(sampling_state, "to_device", lambda *a, **kw: uploads.append(a[0]) or to_device(*a, **kw))
+    state = SamplingState(3, 12)
+    greedy = [state.add_row(SamplingParams(temperature=0.0), [1], [], None) for _ in range(2)]
+    uploads.clear()
+    batch = state.batch(greedy, [0, 0])
+    assert batch.all_greedy and not batch.processors and uploads == []
+    sampled = state.add_row(SamplingParams(temperature=0.5), [1], [], None)
+    uploads.clear()
+    batch = state.batch([*greedy, sampled], [0, 0, 0])
+    assert batch.selection.rows == [2] and batch.selection.temperature.tolist() == [[0.5]]
+    assert uploads.count([*greedy, sampled]) == 1  # the slots, once (beside the sampled rows [2])
 
 
 def _random_row(rng: random.Random, vocab: int) -> SamplingParams:
