@@ -69,7 +69,10 @@ def _argmax_kernel(
 
 
 def _workspace(device: torch.device, num_rows: int, block_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and zeroed counters for `num_rows` rows (one set a device: launches on one stream never overlap)."""
+    """The keys and zeroed counters for `num_rows` rows (one set a device: launches on one stream never overlap).
+
+    NOTE: not `split_k.workspace`: that one is captured in the decode graphs, and growing it here, outside them,
+    would free what they still write to."""
     keys, counts = _WORKSPACES.get(device, (None, None))
     if keys is None or counts.numel() < num_rows or keys.numel() < num_rows * block_chunks:
         rows = max(num_rows, 256)

@@ -50,9 +50,9 @@ class StepArrays(NamedTuple):
     pending_sources: Any  # [S] int64: where in the pending ids each one's token is
 
 
-def _offsets(table_at: int, num_tokens: int, num_seqs: int) -> tuple[int, ...]:
-    """Byte offsets of `StepArrays`' fields for a step of `num_tokens` tokens and `num_seqs` sequences, packed
-    down from `table_at` (8-aligned), the int64 arrays first so each stays aligned."""
+def _offsets(table_at: int, num_tokens: int, num_seqs: int) -> StepArrays:
+    """Byte offsets of a step's arrays for `num_tokens` tokens and `num_seqs` sequences, packed down from
+    `table_at` (8-aligned), the int64 arrays first so each stays aligned."""
     input_ids = table_at - 8 * num_tokens
     positions = input_ids - 8 * num_tokens
     slot_mapping = positions - 8 * num_tokens
@@ -60,7 +60,7 @@ def _offsets(table_at: int, num_tokens: int, num_seqs: int) -> tuple[int, ...]:
     query_start_loc = seq_lens - 4 * (num_seqs + 1)
     pending_sources = (query_start_loc & ~7) - 8 * num_seqs
     pending_rows = pending_sources - 8 * num_seqs
-    return input_ids, positions, slot_mapping, query_start_loc, seq_lens, pending_rows, pending_sources
+    return StepArrays(input_ids, positions, slot_mapping, query_start_loc, seq_lens, pending_rows, pending_sources)
 
 
 def _arrays(view, table_at: int, num_tokens: int, num_seqs: int) -> StepArrays:
@@ -215,7 +215,7 @@ class StepInputs:
         """The staging bytes [start, end) a step of this shape writes: its arrays (the pending rows' only when
         some are pending) and its sequences' block-table rows."""
         offsets = _offsets(self._table_at, num_tokens, num_seqs)
-        start = offsets[5] if num_pending else offsets[3]  # the pending rows, or the query starts
+        start = offsets.pending_rows if num_pending else offsets.query_start_loc  # the lowest array written
         return start, self._table_at + 4 * num_seqs * self.block_table_width
 
     def _upload(self, num_tokens: int, num_seqs: int, num_pending: int) -> None:
