@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import is_interpreter, next_pow2, require, require_dtype
-from kernels.split_k import fence_gpu
+from kernels.split_k import after_arrivals, count_in
 
 # Below every real key: a masked lane never wins.
 _NO_KEY = tl.constexpr(-(2**63) + 1)
@@ -53,13 +53,8 @@ def _argmax_kernel(
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=mask, other=0.0)
     best = tl.max(tl.where(mask, _first_max_key(x, offs), _NO_KEY), 0)
     tl.store(keys_ptr + row * BLOCK_CHUNKS + chunk, best)
-    # Every thread fences its own store before the one arrival (see `split_k.arrive`).
-    fence_gpu(chunk)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr + row, 1, sem="relaxed", scope="gpu")
-    if arrived == num_chunks - 1:
-        tl.debug_barrier()
-        fence_gpu(chunk)
+    if count_in(count_ptr, row, chunk) == num_chunks - 1:
+        after_arrivals(chunk)
         cols = tl.arange(0, BLOCK_CHUNKS)
         keys = tl.load(keys_ptr + row * BLOCK_CHUNKS + cols, mask=cols < num_chunks, other=_NO_KEY,
                        cache_modifier=".cg")

@@ -38,25 +38,39 @@ def fence_gpu(token):
 
 
 @triton.jit
+def count_in(count_ptr, index, token):
+    """Counts this program in at counter `index` once each of its threads' stores is published: how many programs
+    had counted in before it (the last one reads what all of them stored, after `after_arrivals`)."""
+    # NOTE: one thread's release does not publish the other threads' stores (seen on an H200: the rows other
+    # lanes held went missing): each thread fences its own before the arrival, and the last program's threads
+    # fence after it (`after_arrivals`), so the counter itself is relaxed (acq_rel drained and invalidated once
+    # more: qkv alone 7.96 -> 7.67 us, o 6.37 -> 6.11 on an H200)
+    fence_gpu(token)
+    tl.debug_barrier()
+    return tl.atomic_add(count_ptr + index, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def after_arrivals(token):
+    """In the last program to `count_in`: every other program's stores visible to each of this one's threads (read
+    them with `cache_modifier=".cg"`, past the multiprocessor's L1)."""
+    tl.debug_barrier()
+    fence_gpu(token)
+
+
+@triton.jit
 def arrive(partial, ws_ptr, count_ptr, ws_at, ws_mask, slab, tile, token):
     """Stores this program's partial (split `tl.program_id(1)`, `slab` floats a split) and counts it in at
     counter `tile`: how many splits had arrived before it (SPLIT_K - 1: this program sums them)."""
     tl.store(ws_ptr + tl.program_id(1) * slab + ws_at, partial, mask=ws_mask)
-    # NOTE: one thread's release does not publish the other threads' stores (seen on an H200: the rows other
-    # lanes held went missing): each thread fences its own before the arrival, and the last program's threads
-    # fence after it (`sum_partials`), so the counter itself is relaxed (acq_rel drained and invalidated once
-    # more: qkv alone 7.96 -> 7.67 us, o 6.37 -> 6.11 on an H200)
-    fence_gpu(token)
-    tl.debug_barrier()
-    return tl.atomic_add(count_ptr + tile, 1, sem="relaxed", scope="gpu")
+    return count_in(count_ptr, tile, token)
 
 
 @triton.jit
 def sum_partials(ws_ptr, count_ptr, ws_at, ws_mask, slab, tile, token, SPLIT_K: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """In the last program to `arrive`: the splits' partials summed in split order [BN, BM]; the counter zeroed."""
-    tl.debug_barrier()
-    fence_gpu(token)
+    after_arrivals(token)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for split in tl.static_range(SPLIT_K):  # unrolled: the loads in flight together, summed in split order
         acc += tl.load(ws_ptr + split * slab + ws_at, mask=ws_mask, other=0.0, cache_modifier=".cg")
