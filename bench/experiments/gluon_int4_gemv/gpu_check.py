@@ -12,6 +12,8 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # bench/
+import gpu_common  # noqa: E402
 import torch  # noqa: E402
 from int4_gemv_gluon import int4_gemv, repack_thread_major  # noqa: E402
 
@@ -22,25 +24,9 @@ from kernels.quant_tiles import with_row_tiles  # noqa: E402
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
-def graph_us(fn, reps=20):
-    """Best of 5 replays of a CUDA graph of `reps` calls, us a call."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = 1e9
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return round(best, 2)
+def graph_us(fn, calls=20):
+    """us a call of fn, `calls` of them back to back in one CUDA graph (so PDL overlaps neighbours, as in a step)."""
+    return round(gpu_common.graph_seconds(lambda: [fn() for _ in range(calls)]) / calls * 1e6, 2)
 
 
 def main():

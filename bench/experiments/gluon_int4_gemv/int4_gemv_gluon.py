@@ -113,7 +113,7 @@ def int4_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, count_ptr, M, N,
     rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     s_at = s_ptr + rows.to(gl.int64) * stride_s + pid_k * STEPS
 
-    # the first two steps' codes in flight before the wait: nothing earlier in the stream writes them
+    # the first steps' codes in flight before the wait: nothing earlier in the stream writes them
     words0 = gl.load(q_at)
     words1 = gl.load(q_at + TILE_WORDS)
     words2 = gl.load(q_at + 2 * TILE_WORDS, mask=DEPTH > 2 and 2 < STEPS)
