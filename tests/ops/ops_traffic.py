@@ -129,9 +129,11 @@ def proxy_traffic(proxy: ProxyServer, t: Traffic) -> None:
                                           max_tokens=4, temperature=0)
     t.count(chat.usage, chat.choices[0].finish_reason)
     t.statuses["/v1/chat/completions", "200"] += 1
+    # 32 tokens (about 60 with the prompt, inside the 80 the KV cache holds): the stream stays open for 31 decode
+    # steps after its first chunk, long enough to scrape; 4 tokens could all be sent before the scrape arrived.
     stream = client.chat.completions.create(model=t.model_name, messages=[{"role": "user", "content": "Hello"}],
-                                            max_tokens=4, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+                                            max_tokens=32, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     chunks = [next(stream)]
     t.sse_open_during_stream = Scrape.get(proxy.url + "/metrics").value("rest_proxy_sse_streams_open")
     chunks += list(stream)
