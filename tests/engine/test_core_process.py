@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inference_service.api import pb, pb_grpc
 from tests.grpc_client import GenerateStream, greedy, kv_cache_usage, start_engine
-from tests.reliability.rel_helpers import wait_for
+from tests.waiting import wait_for
 
 SMALL = ("--max-model-len", "512", "--kv-cache-memory", "32")
 

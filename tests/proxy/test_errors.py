@@ -10,6 +10,7 @@ import pytest
 from openai import OpenAI
 
 from tests.proxy.fake_engine import free_port
+from tests.waiting import wait_for
 
 
 def _chat(client, content, **kw):
@@ -114,9 +115,8 @@ def test_client_disconnect_cancels_engine_request(proxy, engine):
     while time.monotonic() < deadline and not engine.aborted_calls:
         time.sleep(0.05)
     assert engine.aborted_calls == 1  # the call was cancelled, which aborts the engine request
-    time.sleep(0.1)
-    metrics = httpx.get(proxy.url + "/metrics").text
-    assert "rest_proxy_sse_streams_open 0.0" in metrics
+    wait_for(lambda: "rest_proxy_sse_streams_open 0.0" in httpx.get(proxy.url + "/metrics").text, 5,
+             "the stream's gauge to drop")
 
 
 def test_disconnect_while_engine_is_silent(proxy, engine):

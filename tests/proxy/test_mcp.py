@@ -15,19 +15,12 @@ from openai import OpenAI
 
 from rest_proxy.mcp_config import McpConfigError, load_mcp_config
 from tests.proxy.fake_engine import free_port
+from tests.waiting import wait_for
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 ADD_CALL = '<tool_call>{"name": "calc__add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 
-
-def wait_for(predicate, timeout=15.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +31,7 @@ def http_mcp():
     def up():
         with socket.socket() as s:
             return s.connect_ex(("127.0.0.1", port)) == 0
-    wait_for(up, what="the HTTP MCP server")
+    wait_for(up, 15, what="the HTTP MCP server")
     yield f"http://127.0.0.1:{port}/mcp"
     proc.terminate()
     proc.wait(10)
@@ -163,7 +156,7 @@ def test_crashing_server_is_respawned(mcp_proxy, engine):
     assert "Error" in engine.requests[-1].chat.messages[-1].content
     assert resp.choices[0].finish_reason == "stop"
     assert ask(mcp_proxy, "!ok").choices[0].message.content == "fine"  # still serving
-    wait_for(lambda: conn.connects > before and conn.client is not None, what="respawn")
+    wait_for(lambda: conn.connects > before and conn.client is not None, 15, "respawn")
     health = httpx.get(mcp_proxy.url + "/health?detail=true").json()
     assert health["mcp_servers"]["calc"]["connected"] is True
     ask(mcp_proxy, "hello")
@@ -187,7 +180,7 @@ def test_hanging_servers_leave_the_proxy_serving(fake_server, engine, tmp_path, 
     assert time.monotonic() - t0 < 10
     health = httpx.get(proxy.url + "/health?detail=true").json()
     assert health["status"] == "ok" and health["mcp_servers"]["stuck"]["connected"] is False
-    wait_for(lambda: proxy.app.state.mcp.connections["slow"].client is not None, what="slow server")
+    wait_for(lambda: proxy.app.state.mcp.connections["slow"].client is not None, 15, "slow server")
     engine.script["hang"] = '<tool_call>{"name": "slow__hang", "arguments": {}}</tool_call>'
     engine.script["!ok"] = "still here"
     ask(proxy, "hang")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 import urllib.request
 
 import httpx
@@ -17,6 +16,7 @@ from rest_proxy.config import ProxyConfig
 from tests.grpc_client import start_engine
 from tests.ops.ops_helpers import Scrape
 from tests.proxy.servers import ProxyServer
+from tests.waiting import wait_for
 
 CHROMIUM = shutil.which("chromium")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -69,15 +69,6 @@ def scrape(engine) -> Scrape:
         return Scrape.parse(response.read().decode())
 
 
-def wait_for(condition, timeout: float = 120, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
 
 def ask(driver, text: str, temperature: str, max_tokens: str):
     from selenium.webdriver.common.by import By
@@ -88,7 +79,7 @@ def ask(driver, text: str, temperature: str, max_tokens: str):
         field.send_keys(value)
     before = len(driver.find_elements(By.CSS_SELECTOR, ".msg.assistant"))
     driver.find_element(By.ID, "send").click()
-    return wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, ".msg.assistant")[before:], what="a reply")[0]
+    return wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, ".msg.assistant")[before:], 120, "a reply")[0]
 
 
 def open_ui_with_key(driver, proxy) -> str:
@@ -121,7 +112,7 @@ def test_the_ui_streams_the_answer_the_api_gives(stack, browser, tmp_path):
         new MutationObserver(() => window.uiUpdates++).observe(document.getElementById('messages'),
             {subtree: true, childList: true, characterData: true});""")
     reply = ask(browser, QUESTION, "0", "12")
-    wait_for(lambda: reply.get_attribute("data-done") == "true", what="the answer's end")
+    wait_for(lambda: reply.get_attribute("data-done") == "true", 120, "the answer's end")
     content = reply.find_element(By.CSS_SELECTOR, ".content").text
     assert " ".join(content.split()) == " ".join(expected.split())
     notes = [n.text for n in reply.find_elements(By.CSS_SELECTOR, ".note")]
@@ -143,7 +134,7 @@ def test_stop_aborts_the_request_on_the_engine(stack, browser, tmp_path):
     before = scrape(engine)
     reply = ask(browser, "Count from 1 to 1000, separated by commas.", "0", "1500")
     content = reply.find_element(By.CSS_SELECTOR, ".content")
-    wait_for(lambda: len(content.text) > 10, what="the answer to start")
+    wait_for(lambda: len(content.text) > 10, 120, "the answer to start")
     assert scrape(engine).value("inference_engine_requests_running") == 1
     browser.find_element(By.ID, "stop").click()
     wait_for(lambda: reply.get_attribute("data-done") == "true", 30, "the stop")

@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,19 +20,11 @@ from rest_proxy.config import ProxyConfig
 from rest_proxy.workers import listening_sockets, usable_cpus
 from tests.proxy.fake_engine import DEFAULT_TEXT, free_port
 from tests.proxy.test_mcp import ADD_CALL, stdio, write_config
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).parent.parent.parent
 _WORKER_SERIES = re.compile(r'^rest_proxy_worker_requests\{pid="(\d+)"\} ([0-9.e+]+)$', re.M)
 
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 class WorkersProxy:

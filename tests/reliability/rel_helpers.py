@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -33,15 +32,6 @@ def engine_metrics(engine: EngineProcess) -> dict[str, float]:
 def kv_usage(engine: EngineProcess) -> float:
     return engine_metrics(engine)["inference_engine_kv_cache_usage_ratio"]
 
-
-def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> float:
-    """Polls until `predicate()`; returns the seconds it took. Fails the test on timeout."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(interval)
-    return time.monotonic() - start
 
 
 @dataclass

@@ -10,7 +10,8 @@ import httpx
 
 from inference_service.api import pb_grpc
 from tests.grpc_client import GenerateStream, greedy
-from tests.reliability.rel_helpers import engine_metrics, kv_usage, wait_for
+from tests.reliability.rel_helpers import engine_metrics, kv_usage
+from tests.waiting import wait_for
 
 MAX_TOKENS = 300  # ~10 s of decoding: a request left running would be obvious
 # Tokens the engine may compute after the client's last one: the ones in flight on the wire plus

@@ -17,7 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rest_proxy.config import ProxyConfig
 from tests.grpc_client import free_port, start_engine
 from tests.proxy.servers import ProxyServer
-from tests.reliability.rel_helpers import engine_metrics, random_specs, send_all, wait_for
+from tests.reliability.rel_helpers import engine_metrics, random_specs, send_all
+from tests.waiting import wait_for
 
 SHUTDOWN_TIMEOUT = 8
 # A request of LONG_TOKENS cannot finish within the timeout however fast the CPU (the embedded model decodes at

@@ -10,7 +10,8 @@ import grpc
 from inference_service.api import pb, pb_grpc
 from tests.grpc_client import GenerateStream, greedy
 from tests.reliability.conftest import MAX_WAITING
-from tests.reliability.rel_helpers import engine_metrics, greedy_alone, kv_usage, random_specs, send_all, wait_for
+from tests.reliability.rel_helpers import engine_metrics, greedy_alone, kv_usage, random_specs, send_all
+from tests.waiting import wait_for
 
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 NUM_REQUESTS = 10 * MAX_WAITING

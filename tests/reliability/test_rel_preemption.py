@@ -6,7 +6,8 @@ from __future__ import annotations
 import grpc
 
 from inference_service.api import pb, pb_grpc
-from tests.reliability.rel_helpers import engine_metrics, greedy_alone, kv_usage, random_specs, send_all, wait_for
+from tests.reliability.rel_helpers import engine_metrics, greedy_alone, kv_usage, random_specs, send_all
+from tests.waiting import wait_for
 
 PREEMPTIONS = "inference_engine_preemptions_total"
 

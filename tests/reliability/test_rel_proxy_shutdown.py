@@ -8,7 +8,8 @@ import threading
 
 import httpx
 
-from tests.reliability.rel_helpers import engine_metrics, random_specs, send_all, start_proxy, wait_for
+from tests.reliability.rel_helpers import engine_metrics, random_specs, send_all, start_proxy
+from tests.waiting import wait_for
 
 
 def _load_in_background(proxy, specs):
