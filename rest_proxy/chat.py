@@ -214,7 +214,8 @@ class ChatService:
                     if resp.index >= len(states):
                         continue
                     if resp.prompt_logprobs and first:  # completion 0's first message
-                        yield PromptLogprobs(0, vllm_prompt_logprobs(resp.prompt_logprobs))
+                        entries = vllm_prompt_logprobs(resp.prompt_logprobs, plan.req.prompt_logprobs or 0)
+                        yield PromptLogprobs(0, entries)
                     if echo and resp.index not in echoed:  # once the engine has answered, not before
                         echoed.add(resp.index)
                         yield ChatDelta(resp.index, [{"content": echo}], None)

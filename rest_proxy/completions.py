@@ -1,10 +1,14 @@
-"""POST /v1/completions: one engine request per prompt, `n` completions each, all on one Generate stream."""
+"""POST /v1/completions: one engine request per prompt, `n` completions each, all on one Generate stream.
+
+`echo` with `logprobs` scores the prompt too (OpenAI's legacy behaviour, vLLM's): each choice's logprobs start
+with the prompt's tokens, the first without a logprob. With `max_tokens` 0 nothing generated is returned, which
+is how evaluation harnesses (lm-evaluation-harness's `local-completions`) ask for a text's log-likelihood."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -40,6 +44,10 @@ def _check_queue_room(info: pb.GetModelInfoResponse | None, num_sequences: int) 
                          type="rate_limit_error", param="prompt", code="too_many_prompts")
 
 
+def _echoes_logprobs(req: CompletionRequest) -> bool:
+    return req.echo and req.logprobs is not None
+
+
 def _logprobs(items, top: int, offset: int) -> dict:
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for lp in items:
@@ -64,6 +72,7 @@ class CompletionPlan:
     req: CompletionRequest
     client: EngineClient
     starts: list[pb.StartGeneration]  # one a prompt, each for `n` completions
+    prompts: list[str | list[int]]  # as the client gave them, parallel to `starts`
     echoes: list[str]  # a prompt's text ahead of its completions' (all "" without `echo`)
     request_id: str = field(default_factory=lambda: "cmpl-" + uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -80,19 +89,25 @@ class CompletionService:
         if req.best_of is not None and req.best_of != req.n:
             raise invalid_request("best_of other than n is not supported", "best_of")
         check_prompt_logprobs(req)
+        if req.max_tokens == 0 and not req.echo:
+            raise invalid_request("max_tokens 0 needs echo: it asks for the prompt's logprobs and no new tokens",
+                                  "max_tokens")
         client = await self.router.resolve(req.model)
         info = client.info
         check_max_tokens(info, req.max_tokens)
         prompts = prompt_inputs(req.prompt)
         _check_queue_room(info, len(prompts) * req.n)
         starts, echoes = [], []
-        # OpenAI's default for completions is 16, unless the engine has a default of its own.
+        # OpenAI's default for completions is 16, unless the engine has a default of its own. The engine
+        # generates at least one token: an echo-only request's is dropped from the answer.
         max_tokens = req.max_tokens if req.max_tokens is not None else default_max_tokens(info, 16)
         for prompt in prompts:
             start = pb.StartGeneration(
                 request_id=uuid.uuid4().hex, n=req.n, skip_special_tokens=req.skip_special_tokens,
                 sampling=sampling_params(req, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0),
-                stopping=stopping_criteria(req, max_tokens))
+                stopping=stopping_criteria(req, 1 if req.max_tokens == 0 else max_tokens))
+            if _echoes_logprobs(req):
+                start.sampling.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
             set_request_options(start, req)
             if isinstance(prompt, str):
                 start.text = prompt
@@ -104,38 +119,78 @@ class CompletionService:
                 start.add_special_tokens = req.add_special_tokens
             check_wire_safe(start)
             starts.append(start)
-        return CompletionPlan(req, client, starts, echoes if req.echo else [""] * len(starts))
+        return CompletionPlan(req, client, starts, prompts, echoes if req.echo else [""] * len(starts))
 
-    async def _detokenize(self, client: EngineClient, ids: list[int]) -> str:
-        resp = await client.tokenize(pb.TokenizeRequest(detokenize=pb.DetokenizeIds(ids=ids)))
+    async def _detokenize(self, client: EngineClient, ids: list[int], skip_special_tokens: bool = True) -> str:
+        resp = await client.tokenize(pb.TokenizeRequest(
+            detokenize=pb.DetokenizeIds(ids=ids, skip_special_tokens=skip_special_tokens)))
         return resp.text
 
+    async def _echoed_logprobs(self, plan: CompletionPlan, p: int, entries) -> dict:
+        """The completions-layout logprobs of prompt `p`'s tokens from the engine's prompt logprobs `entries`
+        (every token but the first, after any truncation), the first token's text asked of the tokenizer."""
+        req, prompt = plan.req, plan.prompts[p]
+        if isinstance(prompt, str):
+            text = pb.TokenizeText(text=prompt)
+            if req.add_special_tokens is not None:
+                text.add_special_tokens = req.add_special_tokens
+            prompt = list((await plan.client.tokenize(pb.TokenizeRequest(tokenize=text))).token_ids)
+        head = _logprobs([], req.logprobs, 0)
+        if prompt:  # (an engine that takes an empty prompt scores no token of it)
+            first_id = prompt[max(len(prompt) - len(entries) - 1, 0)]
+            first = await self._detokenize(plan.client, [first_id], skip_special_tokens=False)
+            head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+        return _merge_logprobs(head, _logprobs(entries, req.logprobs, len("".join(head["tokens"]))))
+
     async def _events(self, plan: CompletionPlan) -> AsyncIterator[CompletionEvent]:
-        req, echoes = plan.req, plan.echoes
         usage = None
-        echoed: set[int] = set()
-        offsets: dict[int, int] = {}
+        offsets: dict[int, int] = {}  # completion -> text offset of its next token
+        echoed_lps: dict[int, dict] = {}  # prompt -> its tokens' logprobs, ahead of each of its completions'
+        held: dict[int, list[pb.GenerateResponse]] = {}  # prompt -> messages that wait for those
         async with aclosing(plan.client.generate_many(plan.starts)) as merged:
             async for p, resp in merged:
-                index = p * req.n + resp.index
-                if resp.prompt_logprobs:  # completion 0's first message
-                    yield PromptLogprobs(p, vllm_prompt_logprobs(resp.prompt_logprobs))
-                text = resp.text
-                if index not in echoed:
-                    echoed.add(index)
-                    text = echoes[p] + text
-                    offsets[index] = len(echoes[p])
-                lps = None
-                if req.logprobs is not None:
-                    lps = _logprobs(resp.logprobs, req.logprobs, offsets[index])
-                    offsets[index] += sum(len(t) for t in lps["tokens"])
-                reason = (finish_reason(resp.finish_reason)
-                          if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED else None)
-                if text or lps is not None or reason:
-                    yield TextDelta(index, text, lps, reason)
-                if resp.HasField("usage"):
-                    usage = add_usage(usage, usage_dict(resp.usage))
-        yield StreamUsage(usage or usage_dict(None))
+                ready = [resp]
+                if _echoes_logprobs(plan.req) and p not in echoed_lps:
+                    if resp.index != 0:  # the prompt logprobs come on completion 0's first message
+                        held.setdefault(p, []).append(resp)
+                        continue
+                    echoed_lps[p] = await self._echoed_logprobs(plan, p, resp.prompt_logprobs)
+                    ready = [*held.pop(p, []), resp]
+                for r in ready:
+                    for event in self._response_events(plan, p, r, offsets, echoed_lps.get(p)):
+                        yield event
+                    if r.HasField("usage"):
+                        usage = add_usage(usage, usage_dict(r.usage))
+        usage = usage or usage_dict(None)
+        if plan.req.max_tokens == 0:  # the token the engine had to generate was not returned
+            usage = {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
+        yield StreamUsage(usage)
+
+    def _response_events(self, plan: CompletionPlan, p: int, resp: pb.GenerateResponse, offsets: dict[int, int],
+                         echoed_lps: dict | None) -> Iterator[CompletionEvent]:
+        req = plan.req
+        index = p * req.n + resp.index
+        if resp.prompt_logprobs and req.prompt_logprobs is not None:  # completion 0's first message
+            yield PromptLogprobs(p, vllm_prompt_logprobs(resp.prompt_logprobs, req.prompt_logprobs))
+        is_first = index not in offsets
+        if is_first:
+            offsets[index] = len(plan.echoes[p])
+        is_echo_only = req.max_tokens == 0
+        text = "" if is_echo_only else resp.text
+        if is_first:
+            text = plan.echoes[p] + text
+        lps = None
+        if req.logprobs is not None:
+            lps = _logprobs([] if is_echo_only else resp.logprobs, req.logprobs, offsets[index])
+            offsets[index] += sum(len(t) for t in lps["tokens"])
+            if is_first and echoed_lps is not None:
+                lps = _merge_logprobs(echoed_lps, lps)
+        reason = None
+        if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            reason = finish_reason(resp.finish_reason)
+            reason = "length" if is_echo_only else reason
+        if text or lps is not None or reason:
+            yield TextDelta(index, text, lps, reason)
 
     async def complete(self, plan: CompletionPlan) -> dict:
         n = len(plan.starts) * plan.req.n

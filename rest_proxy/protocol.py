@@ -160,6 +160,8 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] | list[
         list[Annotated[int, Field(ge=0, le=UINT32_MAX)]]]
+    # 0 with `echo`: the prompt's logprobs only (see `rest_proxy.completions`).
+    max_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None

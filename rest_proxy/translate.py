@@ -244,13 +244,13 @@ def _clamped(logprob: float) -> float:
     return max(logprob, -9999.0)  # vLLM's clamp: JSON has no -inf
 
 
-def vllm_prompt_logprobs(items: Iterable[pb.TokenLogprob]) -> list[dict | None]:
+def vllm_prompt_logprobs(items: Iterable[pb.TokenLogprob], top: int) -> list[dict | None]:
     """vLLM's `prompt_logprobs`: None for the first prompt token (it has no context), then for each later
-    one {token_id: {logprob, rank, decoded_token}} of the prompt token and its top alternatives."""
+    one {token_id: {logprob, rank, decoded_token}} of the prompt token and its `top` alternatives."""
     out: list[dict | None] = [None]
     for lp in items:
         entry = {str(lp.token_id): {"logprob": _clamped(lp.logprob), "rank": lp.rank, "decoded_token": lp.token}}
-        for rank, t in enumerate(lp.top_logprobs, 1):
+        for rank, t in enumerate(lp.top_logprobs[:top], 1):
             entry.setdefault(str(t.token_id), {"logprob": _clamped(t.logprob), "rank": rank, "decoded_token": t.token})
         out.append(entry)
     return out

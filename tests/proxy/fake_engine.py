@@ -126,6 +126,10 @@ class FakeEngine(pb_grpc.InferenceServiceServicer):
         if words[:1] == ["!hang"]:
             await asyncio.sleep(3600)
         prompt_tokens = len(tokens_of(self._prompt_text(start)))
+        prompt_logprobs = []
+        if start.sampling.HasField("prompt_logprobs"):  # per character, as `Tokenize` splits text
+            text = self._prompt_text(start)
+            prompt_logprobs = [self._logprobs(c, k, start.sampling.prompt_logprobs) for k, c in enumerate(text[1:])]
         total = 0
         stops = list(start.stopping.stop)
         max_tokens = start.stopping.max_tokens if start.stopping.HasField("max_tokens") else None
@@ -144,6 +148,8 @@ class FakeEngine(pb_grpc.InferenceServiceServicer):
                 if delay:
                     await asyncio.sleep(delay)
                 resp = pb.GenerateResponse(request_id=rid, index=index, text=piece, token_ids=[ord(piece[0])])
+                if index == 0 and k == 0:
+                    resp.prompt_logprobs.extend(prompt_logprobs)
                 if start.sampling.logprobs:
                     resp.logprobs.append(self._logprobs(piece, k, start.sampling.top_logprobs))
                 if k == len(pieces) - 1:

@@ -141,8 +141,13 @@ def test_completions(client, engine):
     resp = client.completions.create(model="fake-model", prompt="Once upon", max_tokens=3, echo=True, logprobs=1)
     assert resp.choices[0].text == "Once upon a time t"
     assert resp.choices[0].finish_reason == "length"
-    assert resp.choices[0].logprobs.tokens == [" a ", "tim", "e t"]
-    assert resp.choices[0].logprobs.text_offset == [9, 12, 15]
+    # With echo the logprobs score the prompt too: its tokens (the fake tokenizes it by character), the first
+    # without a logprob, then the completion's, at their offsets in the text.
+    assert resp.choices[0].logprobs.tokens == [*"Once upon", " a ", "tim", "e t"]
+    assert resp.choices[0].logprobs.token_logprobs[:3] == [None, -0.5, -1.5]
+    assert resp.choices[0].logprobs.top_logprobs[:2] == [None, {"n": -0.5}]
+    assert resp.choices[0].logprobs.text_offset == [*range(9), 9, 12, 15]
+    assert engine.requests[-1].sampling.prompt_logprobs == 1
     assert engine.requests[-1].text == "Once upon"
     resp = client.completions.create(model="fake-model", prompt=["p1", "p2"], n=2, max_tokens=2)
     assert [c.index for c in resp.choices] == [0, 1, 2, 3]

@@ -199,3 +199,37 @@ def test_prompt_logprobs_through_the_proxy_in_vllms_shape(sdk, stub):
             sdk.chat.completions.create(model=model, max_tokens=2, messages=[{"role": "user", "content": PROMPT}],
                                         stream=stream, extra_body=body)
         assert e.value.status_code == 400 and e.value.body["param"] == "prompt_logprobs", body
+
+
+def test_echo_with_logprobs_scores_the_prompt(sdk, stub):
+    """OpenAI's legacy `echo` + `logprobs`, and `max_tokens` 0 with it: what lm-evaluation-harness sends to
+    score a text (its `local-completions` log-likelihood requests)."""
+    model = sdk.models.list().data[0].id
+    expected = grpc_prompt_logprobs(stub, 2)  # positions 1..11 of the 12-token prompt
+    tokens = [lp.token for lp in expected]
+    scored = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2)
+    choice = scored.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert choice.logprobs.tokens == [PROMPT[0], *tokens]  # byte tokens: one character each
+    assert choice.logprobs.token_logprobs == [None] + [lp.logprob for lp in expected]
+    assert choice.logprobs.top_logprobs == [None] + [{t.token: t.logprob for t in lp.top_logprobs} for lp in expected]
+    assert choice.logprobs.text_offset == list(range(12))
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens, scored.usage.total_tokens) == (12, 0, 12)
+    ids = next(stub.Tokenize(iter([pb.TokenizeRequest(tokenize=pb.TokenizeText(text=PROMPT))]))).token_ids
+    by_ids = sdk.completions.create(model=model, prompt=list(ids), max_tokens=0, echo=True, logprobs=2)
+    assert by_ids.choices[0].logprobs == choice.logprobs and by_ids.choices[0].text == PROMPT
+    # With new tokens: the prompt's logprobs, then theirs, in every choice and in the stream.
+    free = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1)
+    both = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1, echo=True, n=2)
+    for c in both.choices:
+        assert c.text == PROMPT + free.choices[0].text
+        assert c.logprobs.token_logprobs == [None] + [lp.logprob for lp in expected] \
+            + free.choices[0].logprobs.token_logprobs
+        assert c.logprobs.text_offset[12:] == [12 + o for o in free.choices[0].logprobs.text_offset]
+    chunks = list(sdk.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1,
+                                         echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == both.choices[0].text
+    assert sum((c.choices[0].logprobs.token_logprobs for c in chunks), []) == both.choices[0].logprobs.token_logprobs
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.completions.create(model=model, prompt=PROMPT, max_tokens=0)
+    assert e.value.body["param"] == "max_tokens" and "echo" in e.value.body["message"]
