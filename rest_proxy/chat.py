@@ -80,6 +80,8 @@ class ChatService:
 
     async def plan(self, req: ChatCompletionRequest) -> ChatPlan:
         check_prompt_logprobs(req)
+        if req.top_logprobs and not req.logprobs:  # OpenAI's and vLLM's rule, rather than none silently
+            raise invalid_request("top_logprobs needs logprobs set to true", "top_logprobs")
         client = await self.router.resolve(req.model)
         info = client.info
         check_max_tokens(info, req.max_completion_tokens or req.max_tokens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 
 from inference_service.api import pb
@@ -101,6 +102,10 @@ def test_logprobs(client, engine):
                                                  logprobs=True, top_logprobs=1, stream=True))
     streamed = [t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert streamed == ["abc", "def"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "lp"}],
+                                       top_logprobs=2)
+    assert exc.value.body["param"] == "top_logprobs" and "logprobs" in exc.value.body["message"]
 
 
 def test_content_parts_and_roles(client, engine):
@@ -160,7 +165,6 @@ def test_completions(client, engine):
 
 
 def test_embeddings_unimplemented_is_400(client, engine):
-    import openai
     with pytest.raises(openai.BadRequestError) as exc:
         client.embeddings.create(model="fake-model", input="x")
     assert exc.value.code == "unsupported"
