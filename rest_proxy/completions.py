@@ -142,25 +142,38 @@ class CompletionService:
             head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
         return _merge_logprobs(head, _logprobs(entries, req.logprobs, len("".join(head["tokens"]))))
 
+    async def _with_echoed_logprobs(self, plan: CompletionPlan, merged) -> AsyncIterator[tuple]:
+        """The engine's (prompt, message) pairs, each with its prompt's scored tokens when `echo` asks for
+        logprobs (else None). Those come on completion 0's first message: the other completions' wait for it."""
+        if not _echoes_logprobs(plan.req):
+            async for p, resp in merged:
+                yield p, resp, None
+            return
+        echoed: dict[int, dict] = {}
+        held: dict[int, list[pb.GenerateResponse]] = {}
+        async for p, resp in merged:
+            if p not in echoed:
+                if resp.index != 0:
+                    held.setdefault(p, []).append(resp)
+                    continue
+                echoed[p] = await self._echoed_logprobs(plan, p, resp.prompt_logprobs)
+                for r in held.pop(p, []):
+                    yield p, r, echoed[p]
+            yield p, resp, echoed[p]
+        for p, responses in held.items():  # completion 0 never answered (the request ended first)
+            for r in responses:
+                yield p, r, None
+
     async def _events(self, plan: CompletionPlan) -> AsyncIterator[CompletionEvent]:
         usage = None
         offsets: dict[int, int] = {}  # completion -> text offset of its next token
-        echoed_lps: dict[int, dict] = {}  # prompt -> its tokens' logprobs, ahead of each of its completions'
-        held: dict[int, list[pb.GenerateResponse]] = {}  # prompt -> messages that wait for those
-        async with aclosing(plan.client.generate_many(plan.starts)) as merged:
-            async for p, resp in merged:
-                ready = [resp]
-                if _echoes_logprobs(plan.req) and p not in echoed_lps:
-                    if resp.index != 0:  # the prompt logprobs come on completion 0's first message
-                        held.setdefault(p, []).append(resp)
-                        continue
-                    echoed_lps[p] = await self._echoed_logprobs(plan, p, resp.prompt_logprobs)
-                    ready = [*held.pop(p, []), resp]
-                for r in ready:
-                    for event in self._response_events(plan, p, r, offsets, echoed_lps.get(p)):
-                        yield event
-                    if r.HasField("usage"):
-                        usage = add_usage(usage, usage_dict(r.usage))
+        async with (aclosing(plan.client.generate_many(plan.starts)) as merged,
+                    aclosing(self._with_echoed_logprobs(plan, merged)) as messages):
+            async for p, resp, echoed_lps in messages:
+                for event in self._response_events(plan, p, resp, offsets, echoed_lps):
+                    yield event
+                if resp.HasField("usage"):
+                    usage = add_usage(usage, usage_dict(resp.usage))
         usage = usage or usage_dict(None)
         if plan.req.max_tokens == 0:  # the token the engine had to generate was not returned
             usage = {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
