@@ -24,10 +24,11 @@ from rest_proxy.mcp_manager import McpManager
 from rest_proxy.metrics import MetricsMiddleware, ProxyMetrics
 from rest_proxy.responses import ResponsesService
 from rest_proxy.responses_store import open_response_store
-from rest_proxy.routes import chat, completions, embeddings, health, models, responses, tokenize, version
+from rest_proxy.routes import chat, completions, embeddings, health, models, responses, score, tokenize, version
 from rest_proxy.ui import mount_ui
 
-ROUTERS = [module.router for module in (chat, responses, completions, embeddings, models, tokenize, health, version)]
+ROUTERS = [module.router for module in (chat, responses, completions, embeddings, score, models, tokenize, health,
+                                        version)]
 
 
 def create_app(config: ProxyConfig) -> FastAPI:

@@ -10,7 +10,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from rest_proxy.errors import ProxyError
 
 # /docs, /redoc and /openapi.json describe every route and parameter: behind the key like the routes.
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json")
+PROTECTED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/docs", "/redoc",
+                      "/openapi.json")
 
 
 def invalid_api_key() -> ProxyError:

@@ -179,6 +179,26 @@ class EmbeddingRequest(_Model):
     truncate: bool = False
 
 
+class ScoreRequest(_Model):
+    """vLLM's /score: `text_1` against each of `text_2` (one text_1), or pair by pair (as many of each)."""
+
+    model: str
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate: bool = False  # as in /v1/embeddings: cut inputs to the model's limit instead of a 400
+
+
+class RerankRequest(_Model):
+    """The rerank API of vLLM, Jina and Cohere: `documents` ordered by relevance to `query`."""
+
+    model: str
+    query: str
+    documents: Annotated[list[str], Field(min_length=1)]
+    top_n: Annotated[int, Field(ge=0)] = 0  # 0: all of them
+    return_documents: bool = True
+    truncate: bool = False
+
+
 class TokenizeRequest(_Model):
     model: str
     prompt: str | None = None

@@ -88,3 +88,53 @@ def test_routing_and_request_errors(client):
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model=MINILM, input="x", dimensions=385)
     assert [m.id for m in client.models.list().data] == [MINILM]
+
+
+def test_score_and_rerank_are_the_cosine_similarity_sentence_transformers_gives(proxy):
+    from sentence_transformers import SentenceTransformer, util
+
+    query, docs = "A man is eating pasta.", SENTENCES[6:13]
+    vectors = SentenceTransformer(minilm_path(), device="cpu").encode([query, *docs], convert_to_tensor=True)
+    expected = util.cos_sim(vectors[:1], vectors[1:])[0].tolist()
+    scored = httpx.post(proxy.url + "/score", json={"model": MINILM, "text_1": query, "text_2": docs}, timeout=30)
+    body = scored.json()
+    assert body["object"] == "list" and body["model"] == MINILM
+    assert [(d["index"], d["object"]) for d in body["data"]] == [(i, "score") for i in range(len(docs))]
+    assert np.allclose([d["score"] for d in body["data"]], expected, atol=1e-5)
+    assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > len(docs) * 2
+    # Pair by pair: each text_1 against the text_2 at its index.
+    pairs = httpx.post(proxy.url + "/v1/score", json={"model": MINILM, "text_1": [query, docs[0]],
+                                                      "text_2": [docs[1], docs[1]]}, timeout=30).json()
+    pair_expected = [expected[1], util.cos_sim(vectors[1:2], vectors[2:3]).item()]
+    assert np.allclose([d["score"] for d in pairs["data"]], pair_expected, atol=1e-5)
+
+    ranked = httpx.post(proxy.url + "/v1/rerank", json={"model": MINILM, "query": query, "documents": docs},
+                        timeout=30).json()
+    order = sorted(range(len(docs)), key=lambda i: -expected[i])
+    assert [r["index"] for r in ranked["results"]] == order
+    assert [r["document"]["text"] for r in ranked["results"]] == [docs[i] for i in order]
+    assert np.allclose([r["relevance_score"] for r in ranked["results"]], [expected[i] for i in order], atol=1e-5)
+    assert ranked["usage"]["total_tokens"] == body["usage"]["prompt_tokens"]  # the same texts, embedded once
+    top = httpx.post(proxy.url + "/v2/rerank", json={"model": MINILM, "query": query, "documents": docs, "top_n": 2,
+                                                     "return_documents": False}, timeout=30).json()
+    assert [r["index"] for r in top["results"]] == order[:2] and "document" not in top["results"][0]
+
+
+def test_score_and_rerank_errors_name_the_clients_field(proxy):
+    def post(path, body):
+        r = httpx.post(proxy.url + path, json={"model": MINILM, **body}, timeout=30)
+        return r.status_code, r.json()["error"]
+
+    status, error = post("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]})
+    assert status == 400 and error["param"] == "text_1" and "2 texts" in error["message"]
+    status, error = post("/score", {"text_1": "a", "text_2": []})
+    assert status == 400 and error["param"] == "text_2"
+    status, error = post("/rerank", {"query": "a", "documents": ["short", "word " * 300]})
+    assert status == 400 and error["param"] == "documents[1]" and "documents[1] has 302 tokens" in error["message"]
+    status, error = post("/rerank", {"query": "a", "documents": []})
+    assert status == 400 and error["param"] == "documents"
+    status, error = post("/rerank", {"query": "a", "documents": ["b"], "model": "nope"})
+    assert status == 404 and error["param"] == "model"
+    ok = httpx.post(proxy.url + "/rerank", json={"model": MINILM, "query": "a", "documents": ["word " * 300],
+                                                 "truncate": True}, timeout=30).json()
+    assert ok["usage"]["total_tokens"] == 3 + 256  # [CLS] a [SEP], and the document cut to the model's limit

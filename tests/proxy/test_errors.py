@@ -99,6 +99,8 @@ def test_api_key(start_proxy, fake_server, engine):
     assert httpx.post(proxy.url + "/v1/chat/completions", json={}).status_code == 401
     assert httpx.post(proxy.url + "/tokenize", json={"model": "fake-model", "prompt": "a"}).status_code == 401
     assert httpx.post(proxy.url + "/detokenize", json={"model": "fake-model", "tokens": [97]}).status_code == 401
+    for path in ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"):
+        assert httpx.post(proxy.url + path, json={"model": "fake-model"}).status_code == 401, path
     assert httpx.get(proxy.url + "/health").status_code == 200
     assert httpx.get(proxy.url + "/metrics").status_code == 200
     good = OpenAI(base_url=proxy.url + "/v1", api_key="sekret", max_retries=0)
