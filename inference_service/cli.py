@@ -10,7 +10,13 @@ import sys
 
 from dataclasses import MISSING, fields, replace
 
-from inference_service.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
+from inference_service.config import (
+    IN_SITU_QUANTIZATIONS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
 from inference_service.engine.generation_config import parse_override
 from inference_service.model.hub import HubError, download_model, parse_hub_id
 
@@ -72,9 +78,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--dequantize", action="store_true",
                    help="expand a GGUF's Q4_0/Q4_1/Q8_0 weights to --dtype at load; by default they stay in their "
                         "blocks on a CPU and run in place (a fifth to a quarter of the memory read per token)")
-    m.add_argument("--quantization", "-q", default=None, choices=["fp8", "int8", "int4"],
+    m.add_argument("--quantization", "-q", default=None, choices=IN_SITU_QUANTIZATIONS,
                    help="quantize a 16-bit checkpoint's projections at load (fp8 e4m3 per channel, int8 per "
-                        "channel, int4 group 128; GPU kernels). GPTQ/AWQ/compressed-tensors/fp8 checkpoints "
+                        "channel, int4 group 128, q4_k as GGUF's Q4_K: 4-bit codes with a scale and a min per 32 "
+                        "under super-block scales; GPU kernels). GPTQ/AWQ/compressed-tensors/fp8 checkpoints "
                         "load quantized without it")
     m.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights for the architecture in --model's config.json (benchmarks)")

@@ -6,6 +6,9 @@ import os
 import re
 from dataclasses import dataclass, field
 
+# `--quantization`: a 16-bit checkpoint's projections quantized at load (`model.quant.in_situ`)
+IN_SITU_QUANTIZATIONS = ("fp8", "int8", "int4", "q4_k")
+
 # vLLM's spellings of the same types: "half"/"float" dtypes, "fp8_e4m3" (our fp8 is e4m3).
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8", "float16": "fp16"}
@@ -93,7 +96,7 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" (read the checkpoint) or "dummy" (random weights for a config.json)
     # Expand quantized GGUF weights at load instead of running them in their blocks (CPU, float32).
     dequantize: bool = False
-    # In-situ quantization of a 16-bit checkpoint's projections at load: "fp8", "int8", "int4" or None.
+    # In-situ quantization of a 16-bit checkpoint's projections at load: one of IN_SITU_QUANTIZATIONS or None.
     quantization: str | None = None
     attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton"
     enforce_eager: bool = False  # no CUDA graphs: every step launches its kernels one by one
@@ -142,8 +145,9 @@ class EngineConfig:
             raise ValueError(f"--load-format must be auto or dummy, got {self.load_format!r}")
         if self.load_format == "dummy" and not self.model:
             raise ValueError("--load-format dummy needs --model naming a folder with a config.json")
-        if self.quantization not in (None, "fp8", "int8", "int4"):
-            raise ValueError(f"--quantization must be fp8, int8 or int4, got {self.quantization!r}")
+        if self.quantization is not None and self.quantization not in IN_SITU_QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {', '.join(IN_SITU_QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
         if self.quantization is not None and self.dequantize:
             raise ValueError("--quantization and --dequantize contradict each other: give one")
         if self.max_prefill_graph_tokens < 0:

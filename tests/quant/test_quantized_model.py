@@ -124,7 +124,8 @@ def dequantized_twin(model: DecoderModel, fp8_block: int | None) -> DecoderModel
     return twin
 
 
-@pytest.mark.parametrize(("method", "bits", "fp8_block"), [("int4", 4, None), ("int8", 8, None), ("fp8", 8, 0)])
+@pytest.mark.parametrize(("method", "bits", "fp8_block"), [("int4", 4, None), ("int8", 8, None), ("fp8", 8, 0),
+                                                        ("q4_k", 4, None)])
 def test_in_situ_quantization_runs_as_its_dequantized_twin(method, bits, fp8_block, tmp_path):
     folder = save_hf_model(make_hf_model("llama", seed=3, **TINY_LLAMA), str(tmp_path / "plain"))
     loaded = load_model(folder, device="cpu", quantization=method)
@@ -158,7 +159,7 @@ def test_in_situ_quantization_of_dummy_weights(tmp_path):
 
 
 def test_in_situ_quantization_is_validated_in_the_engine_config():
-    with pytest.raises(ValueError, match=r"--quantization must be fp8, int8 or int4, got 'int3'"):
+    with pytest.raises(ValueError, match=r"--quantization must be one of fp8, int8, int4, q4_k, got 'int3'"):
         EngineConfig(quantization="int3")
     with pytest.raises(ValueError, match="--quantization and --dequantize contradict each other"):
         EngineConfig(quantization="int4", dequantize=True)

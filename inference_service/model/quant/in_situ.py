@@ -1,8 +1,14 @@
-"""In-situ quantization of a 16-bit checkpoint at load (`--quantization fp8|int8|int4`).
+"""In-situ quantization of a 16-bit checkpoint at load (`--quantization fp8|int8|int4|q4_k`).
 
 int4: symmetric, group 128, codes q + 8 with one fp16 scale per group (amax / 7). int8: symmetric,
 per output channel (amax / 127). fp8: e4m3 per output channel (amax / 448), dynamic activations.
-Round to nearest; no calibration data (GPTQ/AWQ checkpoints are the calibrated route).
+q4_k: GGUF's Q4_K as the loader keeps it (llama.cpp's `--isq q4k` of candle-vllm): per 32 columns
+w = d * sc * q - dmin * m, codes q 0..15, the 6-bit sc and m under fp16 d and dmin per 256 columns
+(4.625 bits a weight; the min makes it asymmetric, which suits skewed groups better than int4's). A
+projection whose K is not a multiple of 256 takes GGUF's Q4_1 instead (fp16 scale and min per 32: 5 bits
+a weight), as llama.cpp falls back for such rows.
+Round to nearest; no calibration data (GPTQ/AWQ checkpoints are the calibrated route; llama.cpp's
+quantizer also searches each group's scale and min, which this does not).
 """
 
 from __future__ import annotations
@@ -10,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from kernels.fp8_gemm import Fp8Weight, quantize_fp8_groups
-from kernels.quant_layout import IntPackedWeight, pack_int
+from inference_service.config import IN_SITU_QUANTIZATIONS as IN_SITU_METHODS
+from kernels.quant_layout import SUPER_BLOCK, IntPackedWeight, pack_int
 
-IN_SITU_METHODS = ("fp8", "int8", "int4")
 INT4_GROUP = 128
 _MIN_SCALE = 2.0 ** -24  # smallest fp16 subnormal: all-zero groups stay zero
 
@@ -28,6 +34,8 @@ def quantize_in_situ(weight: torch.Tensor, method: str) -> IntPackedWeight | Fp8
     if method == "fp8":
         q, scale = quantize_fp8_groups(w, k)
         return Fp8Weight(q, scale, 1, k)
+    if method == "q4_k":
+        return quantize_q4_k(w)
     bits, group = (4, INT4_GROUP) if method == "int4" else (8, k)
     if k % group:
         raise ValueError(f"{method}: K={k} is not a multiple of the group size {group}")
@@ -36,3 +44,30 @@ def quantize_in_situ(weight: torch.Tensor, method: str) -> IntPackedWeight | Fp8
     scale = (groups.abs().amax(-1) / qmax).clamp(min=_MIN_SCALE).to(torch.float16)
     codes = torch.round(groups / scale.float()[:, :, None]).clamp(-qmax - 1, qmax) + (qmax + 1)
     return pack_int(codes.view(n, k), bits, group, scale, zero=qmax + 1)
+
+
+def quantize_q4_k(w: torch.Tensor) -> IntPackedWeight:
+    """w [N, K] float32 -> Q4_K codes, sub-scales and mins (Q4_1's where K is not a multiple of 256; module
+    docstring)."""
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"q4_k: K={k} is not a multiple of 32")
+    groups = w.view(n, k // 32, 32)
+    if k % SUPER_BLOCK:  # Q4_1: w = d * q + m
+        low = groups.amin(-1)
+        d = ((groups.amax(-1) - low) / 15).clamp(min=_MIN_SCALE).half()
+        m = low.half()
+        codes = torch.round((groups - m.float()[:, :, None]) / d.float()[:, :, None]).clamp(0, 15)
+        return pack_int(codes.view(n, k), 4, 32, d, offsets=m)
+    low = groups.amin(-1).clamp(max=0.0)  # a min of 0 or below: q = 0 stays reachable, zero stays exact-ish
+    step = (groups.amax(-1) - low) / 15  # [N, K/32] each group's ideal scale
+    per_super = (n, k // SUPER_BLOCK, SUPER_BLOCK // 32)
+    d = (step.view(per_super).amax(-1) / 63).clamp(min=_MIN_SCALE).half()  # [N, K/256]
+    dmin = ((-low).view(per_super).amax(-1) / 63).clamp(min=_MIN_SCALE).half()
+    sc = torch.round(step.view(per_super) / d.float()[:, :, None]).clamp(0, 63).view(n, -1)
+    m = torch.round((-low).view(per_super) / dmin.float()[:, :, None]).clamp(0, 63).view(n, -1)
+    scale = d.float().repeat_interleave(SUPER_BLOCK // 32, 1) * sc  # what the kernels form
+    offset = -dmin.float().repeat_interleave(SUPER_BLOCK // 32, 1) * m
+    codes = torch.round((groups - offset[:, :, None]) / scale.clamp(min=_MIN_SCALE)[:, :, None]).clamp(0, 15)
+    return pack_int(codes.view(n, k), 4, 32, sc.to(torch.uint8), offsets=m.to(torch.uint8),
+                    super_scales=torch.stack([d, -dmin], dim=-1))
