@@ -79,19 +79,21 @@ DEVICE = torch.device("cpu" if ARGS.smoke else "cuda")
 BF16 = torch.bfloat16
 SMOKE_SHAPES = {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
                 "num_hidden_layers": 1, "vocab_size": 256}
-# format: (bits, group (None: per channel), scale dtype, zeros plane, offsets); the K-quants as the loader keeps
-# them (`super_scales`: integer sub-scales under fp16 d / -dmin) and, "_flat", as fp32 products per group
+# format: (bits, group (None: per channel), scale dtype, zeros plane, offsets); GGUF's K-quants as the loader
+# repacks them (fp32 products per group) and, "_8bit", their 5- and 6-bit codes held one a byte
 INT_LAYOUTS = {"int4_gptq_g128": (4, 128, torch.float16, False, False),
                "int4_awq_g128": (4, 128, torch.float16, True, False),
-               "q4_k": (4, 32, torch.uint8, False, True),
-               "q4_k_flat": (4, 32, torch.float32, False, True),
-               "q6_k": (6, 16, torch.int8, False, False),
+               "q4_k": (4, 32, torch.float32, False, True),
+               "q5_k": (5, 32, torch.float32, False, True),
+               "q5_k_8bit": (8, 32, torch.float32, False, True),
+               "q6_k": (6, 16, torch.float32, False, False),
+               "q6_k_8bit": (8, 16, torch.float32, False, False),
                "q4_0": (4, 32, torch.float16, False, False),
                "q8_0": (8, 32, torch.float16, False, False)}
 FP8_LAYOUTS = {"fp8_channel": None, "fp8_block128": (128, 128)}
 FORMATS = ["bf16", *INT_LAYOUTS, *FP8_LAYOUTS]
-TARGETS_B1 = {"int4_gptq_g128": 400, "int4_awq_g128": 400, "q4_k": 380, "q4_k_flat": 380, "q8_0": 280,
-              "fp8_channel": 300, "fp8_block128": 300}
+TARGETS_B1 = {"int4_gptq_g128": 400, "int4_awq_g128": 400, "q4_k": 380, "q8_0": 280, "fp8_channel": 300,
+              "fp8_block128": 300}
 
 
 # ------------------------------------------------------------------------------------------ weights
@@ -120,16 +122,9 @@ def random_weight(fmt: str, n: int, k: int):
         qh = (torch.randint(0, 256, (n, k * (bits - 4) // 8), dtype=torch.uint8, device=DEVICE)
               if bits in (5, 6) else None)
         zeros = torch.randint(0, 16, groups, dtype=torch.uint8, device=DEVICE) if has_zeros else None
-        supers = None
-        if scale_dtype in (torch.uint8, torch.int8):  # a K-quant's 6-bit sub-scales (and mins) under (d, -dmin)
-            scales = torch.randint(0, 64, groups, device=DEVICE).to(scale_dtype)
-            offsets = torch.randint(0, 64, groups, dtype=torch.uint8, device=DEVICE) if has_offsets else None
-            supers = (torch.rand(n, k // 256, 2, device=DEVICE) * torch.tensor([3e-5, -1e-4], device=DEVICE)).half()
-        else:
-            scales = (torch.rand(groups, device=DEVICE) * 0.002).to(scale_dtype)
-            offsets = (torch.rand(groups, device=DEVICE) * -0.01).to(scale_dtype) if has_offsets else None
-        w = IntPackedWeight(bits, group, qs, scales, qh=qh, zeros=zeros, zero=1 << (bits - 1), offsets=offsets,
-                            super_scales=supers)
+        scales = (torch.rand(groups, device=DEVICE) * 0.002).to(scale_dtype)
+        offsets = (torch.rand(groups, device=DEVICE) * -0.01).to(scale_dtype) if has_offsets else None
+        w = IntPackedWeight(bits, group, qs, scales, qh=qh, zeros=zeros, zero=1 << (bits - 1), offsets=offsets)
         return w if ARGS.row_major else with_row_tiles(w)  # the layout the engine loads
     block_n, block_k = FP8_LAYOUTS[fmt] or (1, k)
     q = (torch.randn(n, k, device=DEVICE) * 64).to(torch.float8_e4m3fn)

@@ -90,20 +90,19 @@ def _store_tile(y_ptr, acc, offs_m, offs_n, m_mask, N, stride_ym, SWAP: tl.const
 
 
 @triton.jit
-def _variant_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, stride_qs, stride_qh, stride_s,
+def _variant_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, stride_qs, stride_qh, stride_s,
                     M, N, K, stride_xm, stride_ym,
                     BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
                     HAS_OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     CHUNK: tl.constexpr, GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr,
                     SWAP: tl.constexpr, NATURAL: tl.constexpr, HALF: tl.constexpr,
-                    UPCAST: tl.constexpr, TILE_N: tl.constexpr = 0, SUPER: tl.constexpr = 0):
+                    UPCAST: tl.constexpr, TILE_N: tl.constexpr = 0):
     offs_m, offs_n, m_mask, rows, acc = _tile_start(x_ptr, M, stride_xm, BLOCK_M, BLOCK_N, SWAP)
     act = x_ptr.dtype.element_ty
     for k0 in range(0, K, BLOCK_K):
         w_lo, w_hi, cols_lo, cols_hi, in_k = act_planes(
-            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
-            ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, HALF, act,
-            TILE_N=TILE_N, SUPER=SUPER)
+            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
+            ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, HALF, act, TILE_N=TILE_N)
         if NATURAL:
             w = planes_in_k_order(w_lo, w_hi, BLOCK_N, BLOCK_K)
             acc = _k_order_dot(x_ptr, rows, m_mask, k0 + tl.arange(0, BLOCK_K), w, acc, SWAP, UPCAST)
@@ -122,28 +121,26 @@ def _variant_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, st
 
 
 @triton.jit
-def _pipelined_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, stride_qs, stride_qh, stride_s,
+def _pipelined_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, stride_qs, stride_qh, stride_s,
                       M, N, K, stride_xm, stride_ym,
                       BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
                       HAS_OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr,
-                      SWAP: tl.constexpr, HALF: tl.constexpr, UPCAST: tl.constexpr, TILE_N: tl.constexpr = 0,
-                      SUPER: tl.constexpr = 0):
+                      SWAP: tl.constexpr, HALF: tl.constexpr, UPCAST: tl.constexpr, TILE_N: tl.constexpr = 0):
     """The K-order variants with the next K tile widened before this tile's dot (carried across the loop),
     so the dot's asynchronous MMA has the next tile's integer work to overlap."""
     offs_m, offs_n, m_mask, rows, acc = _tile_start(x_ptr, M, stride_xm, BLOCK_M, BLOCK_N, SWAP)
     act = x_ptr.dtype.element_ty
     w_lo, w_hi, _, _, _ = act_planes(
-        qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, offs_n, 0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
-        ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, HALF, act,
-            TILE_N=TILE_N, SUPER=SUPER)
+        qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, 0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
+        ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, HALF, act, TILE_N=TILE_N)
     for k0 in range(0, K, BLOCK_K):
         w = planes_in_k_order(w_lo, w_hi, BLOCK_N, BLOCK_K)
         # past the last tile every load is masked (zeros): no bounds check needed
         w_lo, w_hi, _, _, _ = act_planes(
-            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, offs_n, k0 + BLOCK_K, N, K, stride_qs, stride_qh, stride_s,
-            BITS, GROUP, ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, HALF, act,
-            TILE_N=TILE_N, SUPER=SUPER)
+            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0 + BLOCK_K, N, K, stride_qs, stride_qh, stride_s, BITS,
+            GROUP, ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, HALF, act,
+            TILE_N=TILE_N)
         acc = _k_order_dot(x_ptr, rows, m_mask, k0 + tl.arange(0, BLOCK_K), w, acc, SWAP, UPCAST)
     _store_tile(y_ptr, acc, offs_m, offs_n, m_mask, N, stride_ym, SWAP)
 

@@ -55,14 +55,14 @@ def _quant_gemm_kernel(
     perm_ptr,  # [K] int32 packed column -> x column, or any pointer when not HAS_PERM
     b_ptr,  # [N] bias, or any pointer when not HAS_BIAS
     y_ptr,  # [M, N]
-    qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, stride_qs, stride_qh, stride_s,  # the packed weight
+    qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, stride_qs, stride_qh, stride_s,  # the packed weight
     M, N, K, stride_xm, stride_ym,
     BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNK: tl.constexpr, GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr, NATURAL: tl.constexpr,
     HALF: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    TILE_N: tl.constexpr = 0, SUPER: tl.constexpr = 0,
+    TILE_N: tl.constexpr = 0,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,9 +72,8 @@ def _quant_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w_lo, w_hi, cols_lo, cols_hi, in_k = act_planes(
-            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS,
-            GROUP, ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, HALF, act,
-            TILE_N=TILE_N, SUPER=SUPER)
+            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
+            ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, HALF, act, TILE_N=TILE_N)
         if NATURAL:
             w = planes_in_k_order(w_lo, w_hi, BLOCK_N, BLOCK_K)
             cols = k0 + tl.arange(0, BLOCK_K)

@@ -76,7 +76,7 @@ def _quant_gemv_kernel(
     nw_ptr,  # [K] RMSNorm weight, or any pointer when not NORM
     r_ptr,  # [M, N] residual, or any pointer when not RESIDUAL
     y_ptr,  # [M, N]
-    qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, stride_qs, stride_qh, stride_s,  # the packed weight
+    qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, stride_qs, stride_qh, stride_s,  # the packed weight
     M, N, K, eps, stride_xm, stride_rm, stride_ym,
     BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -84,7 +84,7 @@ def _quant_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNK: tl.constexpr, GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr, UNIT_CODES: tl.constexpr,
     USE_PDL: tl.constexpr,
-    TILE_N: tl.constexpr = 0, SUPER: tl.constexpr = 0,
+    TILE_N: tl.constexpr = 0,
 ):
     NUM_CHUNKS: tl.constexpr = BLOCK_K // 2 // CHUNK
     pdl_enter(USE_PDL)
@@ -95,9 +95,8 @@ def _quant_gemv_kernel(
     squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k, z_lo, z_hi = tile_parts(
-            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS,
-            GROUP, ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, UNIT_CODES,
-            TILE_N=TILE_N, SUPER=SUPER)
+            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
+            ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, UNIT_CODES, TILE_N=TILE_N)
         if HAS_PERM:
             cols_lo = tl.load(perm_ptr + cols_lo, mask=in_k, other=0)
             cols_hi = tl.load(perm_ptr + cols_hi, mask=in_k, other=0)

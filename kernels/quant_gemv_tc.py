@@ -272,7 +272,7 @@ def takes_tensor_cores(w: IntPackedWeight, x: torch.Tensor) -> bool:
     NOTE: offsets (GGUF Q4_1, Q4_K: w = scale * q + offset) were taken with each group's sum of x from a small
     kernel and measured slower than the GEMM at 16 rows (H100, all layers: Q4_K 7.60 against 6.47 ms)."""
     n, k = w.shape
-    return (w.bits == 4 and w.offsets is None and w.super_scales is None and x.dtype in (torch.float16, torch.bfloat16)
+    return (w.bits == 4 and w.offsets is None and x.dtype in (torch.float16, torch.bfloat16)
             and w.group_size >= 32 and k % 32 == 0 and (w.group_size == k or w.group_size % 32 == 0)
             and (is_interpreter() or (x.is_cuda and compute_capability(x.device) >= (8, 0))))
 

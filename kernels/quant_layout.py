@@ -12,13 +12,8 @@ so `dequantize_int` is bit-exact against the `gguf` package. q is an unsigned co
   by two strided views of x (no interleaving shuffle).
 - `qh`: bits 5-6 only: [N, K * (bits - 4) / 8] uint8, the remaining high bits of column k at byte
   k // (8 / hb), bit (k % (8 / hb)) * hb, hb = bits - 4.
-- `scales` [N, K / G] (fp16, bf16 or fp32), `zeros` [N, K / G] uint8 or one constant `zero`, `offsets`
-  [N, K / G] or none.
-- `super_scales` [N, K / 256, 2] fp16 or none: the K-quants' two-level scales, kept as GGUF stores them
-  (4.5 bits a Q4_K weight, not the 6 of fp32 products): `scales` (and `offsets`) are then the 6- or 8-bit
-  sub-block integers, uint8 (Q6_K's int8), and a group's scale is super_scales[n, s, 0] * scales[n, g], its
-  offset super_scales[n, s, 1] * offsets[n, g] (s = g * G // 256), both products formed in fp32, exact as
-  GGUF's `d * sc` and `dmin * m` (column 1 holds -dmin).
+- `scales` [N, K / G] (fp16, bf16 or fp32: fp32 where the scale is a product, as the K-quants' d * sc,
+  so it stays exact), `zeros` [N, K / G] uint8 or one constant `zero`, `offsets` [N, K / G] or none.
 - `perm` [K] int32 or none: packed column k multiplies x[:, perm[k]] (GPTQ act-order: columns sorted by
   group at load so every group is contiguous, and the activations gathered instead).
 - `tile_n`: 0, or `qs` in row tiles of that many rows (`kernels.quant_tiles`, what the GPU loader stores).
@@ -37,8 +32,6 @@ from kernels.quant_tiles import TILE_BYTES, TILE_ROWS, qs_offsets, row_major_qs
 
 NIBBLE_SPAN = 32  # columns sharing one run of 16 bytes (byte j: columns j and j + 16)
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-SUPER_BLOCK = 256  # columns under one `super_scales` pair (a GGUF K-quant super-block)
-SUB_SCALE_DTYPES = (torch.uint8, torch.int8)  # `scales` / `offsets` under `super_scales`
 
 
 @dataclass
@@ -55,7 +48,6 @@ class IntPackedWeight:
     offsets: torch.Tensor | None = None
     perm: torch.Tensor | None = None
     tile_n: int = 0
-    super_scales: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n, num_groups = self.scales.shape
@@ -71,18 +63,11 @@ class IntPackedWeight:
             _check("qh", self.qh, (n, k * (self.bits - 4) // 8), (torch.uint8,))
         elif self.qh is not None:
             raise ValueError(f"qh: only 5- and 6-bit codes have high bits, got one at bits={self.bits}")
-        scale_dtypes = SCALE_DTYPES
-        if self.super_scales is not None:
-            if k % SUPER_BLOCK or SUPER_BLOCK % self.group_size:
-                raise ValueError(f"super_scales: K={k} must be a multiple of {SUPER_BLOCK} and group_size="
-                                 f"{self.group_size} divide it")
-            _check("super_scales", self.super_scales, (n, k // SUPER_BLOCK, 2), (torch.float16,))
-            scale_dtypes = SUB_SCALE_DTYPES
-        _check("scales", self.scales, (n, num_groups), scale_dtypes)
+        _check("scales", self.scales, (n, num_groups), SCALE_DTYPES)
         if self.zeros is not None:
             _check("zeros", self.zeros, (n, num_groups), (torch.uint8,))
         if self.offsets is not None:
-            _check("offsets", self.offsets, (n, num_groups), scale_dtypes)
+            _check("offsets", self.offsets, (n, num_groups), SCALE_DTYPES)
         if self.perm is not None:
             _check("perm", self.perm, (k,), (torch.int32,))
         if not 0 <= self.zero < 1 << self.bits:
@@ -99,29 +84,12 @@ class IntPackedWeight:
     @property
     def nbytes(self) -> int:
         """Bytes a matmul reads (what the weight costs in GPU memory)."""
-        parts = (self.qs, self.qh, self.scales, self.zeros, self.offsets, self.perm, self.super_scales)
+        parts = (self.qs, self.qh, self.scales, self.zeros, self.offsets, self.perm)
         return sum(t.nbytes for t in parts if t is not None)
 
     def to(self, device: torch.device | str) -> IntPackedWeight:
         moved = {name: (t.to(device) if isinstance(t, torch.Tensor) else t) for name, t in self.__dict__.items()}
         return IntPackedWeight(**moved)
-
-    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(scales, offsets) per group, each [N, K / G] in their own dtype, or fp32 products under
-        `super_scales` (exactly the values the kernels form)."""
-        if self.super_scales is None:
-            return self.scales, self.offsets
-        per_group = self.super_scales.float().repeat_interleave(SUPER_BLOCK // self.group_size, dim=1)
-        offsets = None if self.offsets is None else per_group[:, :, 1] * self.offsets.float()
-        return per_group[:, :, 0] * self.scales.float(), offsets
-
-    def with_flat_scales(self) -> IntPackedWeight:
-        """The same weight with `group_scales`' fp32 products in place of `super_scales` (or itself)."""
-        if self.super_scales is None:
-            return self
-        scales, offsets = self.group_scales()
-        return IntPackedWeight(**{**self.__dict__, "scales": scales.contiguous(), "super_scales": None,
-                                  "offsets": None if offsets is None else offsets.contiguous()})
 
 
 def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> None:
@@ -134,7 +102,7 @@ def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtypes: tu
 
 def pack_int(codes: torch.Tensor, bits: int, group_size: int, scales: torch.Tensor, *,
              zeros: torch.Tensor | None = None, zero: int = 0, offsets: torch.Tensor | None = None,
-             perm: torch.Tensor | None = None, super_scales: torch.Tensor | None = None) -> IntPackedWeight:
+             perm: torch.Tensor | None = None) -> IntPackedWeight:
     """Pack unsigned codes [N, K] (any integer dtype, values < 2**bits) into the layout."""
     codes = codes.to(torch.int32)
     n, k = codes.shape
@@ -156,8 +124,7 @@ def pack_int(codes: torch.Tensor, bits: int, group_size: int, scales: torch.Tens
                            qh=None if qh is None else qh.contiguous(),
                            zeros=None if zeros is None else zeros.to(torch.uint8).contiguous(), zero=zero,
                            offsets=None if offsets is None else offsets.contiguous(),
-                           perm=None if perm is None else perm.to(torch.int32).contiguous(),
-                           super_scales=None if super_scales is None else super_scales.contiguous())
+                           perm=None if perm is None else perm.to(torch.int32).contiguous())
 
 
 def unpack_codes(w: IntPackedWeight) -> torch.Tensor:
@@ -185,11 +152,10 @@ def dequantize_int(w: IntPackedWeight, dtype: torch.dtype = torch.float32, *, un
     def per_column(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype).repeat_interleave(w.group_size, dim=1)
 
-    scales, offsets = w.group_scales()
     zero = per_column(w.zeros) if w.zeros is not None else torch.tensor(float(w.zero), dtype=dtype)
-    out = per_column(scales) * (codes - zero)
-    if offsets is not None:
-        out = out + per_column(offsets)
+    out = per_column(w.scales) * (codes - zero)
+    if w.offsets is not None:
+        out = out + per_column(w.offsets)
     if unpermute and w.perm is not None:
         out = torch.empty_like(out).index_copy_(1, w.perm.long(), out)
     return out
@@ -211,11 +177,11 @@ UNIT_SCALE = tl.constexpr(16.0)  # a nibble in the top of the mantissa of 1.0 is
 
 
 @triton.jit
-def tile_parts(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s,
+def tile_parts(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s,
                BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
                HAS_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
                GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr, UNIT_CODES: tl.constexpr = False,
-               TILE_N: tl.constexpr = 0, SUPER: tl.constexpr = 0):
+               TILE_N: tl.constexpr = 0):
     """Columns k0 .. k0 + BLOCK_K of rows `offs_n` (k0 a multiple of BLOCK_K, itself of 32) as two planes,
     lo (columns j of each 32) and hi (j + 16), each cut into NC = BLOCK_K / 2 / CHUNK chunks of one group
     (`group_chunks`): (w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k, z_lo, z_hi) with w = q - zero
@@ -226,7 +192,7 @@ def tile_parts(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, offs_n, k0, N, K, str
     NOTE: a code becomes a float without a conversion instruction (those run at a fraction of the FMA
     rate): the bits of (q | 0x4B000000) are the float 2**23 + q, and subtracting 2**23 + zero leaves
     q - zero exactly (integers below 2**24). Scales, zeros and offsets are loaded and widened once a
-    group (SUPER: groups a `super_scales` pair covers, 0 without; `u_ptr` points at them)."""
+    group."""
     NUM_CHUNKS: tl.constexpr = BLOCK_K // 2 // CHUNK
     b = tl.arange(0, BLOCK_K // 2)
     cols_lo = k0 + (b // 16) * 32 + b % 16
@@ -253,15 +219,15 @@ def tile_parts(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, offs_n, k0, N, K, str
     chunks = tl.arange(0, NUM_CHUNKS)
     group_lo = k0 // GROUP + chunks * GROUP_STEP  # [NC]
     in_groups = (k0 + chunks * (2 * CHUNK)) < K
-    z_lo, s_lo, o_lo = _group_params(z_ptr, s_ptr, o_ptr, u_ptr, rows, group_lo, n_mask, in_groups, stride_s,
-                                     ZERO, HAS_ZEROS, HAS_OFFSETS, SUPER)
+    z_lo, s_lo, o_lo = _group_params(z_ptr, s_ptr, o_ptr, rows, group_lo, n_mask, in_groups, stride_s,
+                                     ZERO, HAS_ZEROS, HAS_OFFSETS)
     if HI_GROUP == 0:
         z_hi = z_lo
         s_hi = s_lo
         o_hi = o_lo
     else:
-        z_hi, s_hi, o_hi = _group_params(z_ptr, s_ptr, o_ptr, u_ptr, rows, group_lo + HI_GROUP, n_mask, in_groups,
-                                         stride_s, ZERO, HAS_ZEROS, HAS_OFFSETS, SUPER)
+        z_hi, s_hi, o_hi = _group_params(z_ptr, s_ptr, o_ptr, rows, group_lo + HI_GROUP, n_mask, in_groups,
+                                         stride_s, ZERO, HAS_ZEROS, HAS_OFFSETS)
     if BITS == 4 and UNIT_CODES:
         # each nibble shifted into the top of the mantissa of 1.0: the float 1 + q / 16, and the zero's
         # term 16 + z = (2**23 + z) - (2**23 - 16), both exact (16: UNIT_SCALE)
@@ -279,39 +245,32 @@ def tile_parts(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, offs_n, k0, N, K, str
 
 
 @triton.jit
-def _group_params(z_ptr, s_ptr, o_ptr, u_ptr, rows, groups, n_mask, in_groups, stride_s,
-                  ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_OFFSETS: tl.constexpr, SUPER: tl.constexpr):
-    """For `groups` [NC] of `rows` [BN, 1]: (2**23 + zero, scale, offset), each fp32 [BN, NC]; under
-    `super_scales` (SUPER groups a pair) scale and offset are the fp32 products of the pair and the integers."""
+def _group_params(z_ptr, s_ptr, o_ptr, rows, groups, n_mask, in_groups, stride_s,
+                  ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_OFFSETS: tl.constexpr):
+    """For `groups` [NC] of `rows` [BN, 1]: (2**23 + zero, scale, offset), each fp32 [BN, NC]."""
     mask = n_mask[:, None] & in_groups[None, :]
     at = rows * stride_s + groups[None, :]
-    scale = tl.load(s_ptr + at, mask=mask, other=0).to(tl.float32)
-    if SUPER:
-        pair_at = rows * (stride_s // SUPER * 2) + (groups // SUPER * 2)[None, :]  # super_scales [N, K/256, 2]
-        scale = tl.load(u_ptr + pair_at, mask=mask, other=0.0).to(tl.float32) * scale
+    scale = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
     if HAS_ZEROS:
         zero = tl.load(z_ptr + at, mask=mask, other=0).to(tl.float32) + MAGIC_VALUE
     else:
         zero = tl.zeros_like(scale) + (ZERO + MAGIC_VALUE)
     if HAS_OFFSETS:
-        offset = tl.load(o_ptr + at, mask=mask, other=0).to(tl.float32)
-        if SUPER:
-            offset = tl.load(u_ptr + pair_at + 1, mask=mask, other=0.0).to(tl.float32) * offset
+        offset = tl.load(o_ptr + at, mask=mask, other=0.0).to(tl.float32)
     else:
         offset = scale  # unused
     return zero, scale, offset
 
 
 @triton.jit
-def dequant_tile(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s,
+def dequant_tile(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s,
                  BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
                  HAS_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
-                 GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr, TILE_N: tl.constexpr = 0,
-                 SUPER: tl.constexpr = 0):
+                 GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr, TILE_N: tl.constexpr = 0):
     """`tile_parts` widened to the weight: (w_lo, w_hi, cols_lo, cols_hi, in_k), planes fp32 [BN, BK/2]."""
     w_lo, s_lo, o_lo, w_hi, s_hi, o_hi, cols_lo, cols_hi, in_k, _, _ = tile_parts(
-        qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
-        ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, TILE_N=TILE_N, SUPER=SUPER)
+        qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP, ZERO,
+        HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, TILE_N=TILE_N)
     w_lo = w_lo * s_lo[:, :, None]
     w_hi = w_hi * s_hi[:, :, None]
     if HAS_OFFSETS:
@@ -368,11 +327,11 @@ def half_planes(qs_ptr, s_ptr, z_ptr, offs_n, k0, N, K, stride_qs, stride_s, GRO
 
 
 @triton.jit
-def act_planes(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s,
+def act_planes(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s,
                BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
                HAS_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
                GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr, HALF: tl.constexpr, ACT: tl.constexpr,
-               TILE_N: tl.constexpr = 0, SUPER: tl.constexpr = 0):
+               TILE_N: tl.constexpr = 0):
     """A tile's two planes in ACT, for the tensor cores: (w_lo, w_hi, cols_lo, cols_hi, in_k) as `dequant_tile`
     gives them. HALF (`takes_half_planes`): widened in ACT by `half_planes`; else in fp32, rounded once."""
     if HALF:
@@ -380,9 +339,8 @@ def act_planes(qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, offs_n, k0, N, K, str
                            BLOCK_N, BLOCK_K, CHUNK, ACT, TILE_N=TILE_N)
     else:
         w_lo, w_hi, cols_lo, cols_hi, in_k = dequant_tile(
-            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS,
-            GROUP, ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, TILE_N=TILE_N,
-            SUPER=SUPER)
+            qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
+            ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, TILE_N=TILE_N)
         return cast(w_lo, ACT), cast(w_hi, ACT), cols_lo, cols_hi, in_k
 
 
@@ -397,7 +355,7 @@ def planes_in_k_order(w_lo, w_hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 def takes_half_planes(w: IntPackedWeight, dtype: torch.dtype, chunking: dict) -> bool:
     """Whether `half_planes` widens w's tiles for `dtype` activations (4-bit codes without offsets, groups of 32
     or more, fp16 / bf16); `chunking` as `tile_for` gives it."""
-    return (w.bits == 4 and w.offsets is None and w.super_scales is None and dtype in (torch.float16, torch.bfloat16)
+    return (w.bits == 4 and w.offsets is None and dtype in (torch.float16, torch.bfloat16)
             and chunking["GROUP_STEP"] == 1 and chunking["HI_GROUP"] == 0)
 
 
@@ -405,11 +363,10 @@ def kernel_args(w: IntPackedWeight) -> tuple[list, dict]:
     """The pointer/stride arguments and constexprs `dequant_tile` takes, for a launcher."""
     dummy = w.scales
     ptrs = [w.qs, w.qh if w.qh is not None else dummy, w.scales, w.zeros if w.zeros is not None else dummy,
-            w.offsets if w.offsets is not None else dummy, w.super_scales if w.super_scales is not None else dummy]
+            w.offsets if w.offsets is not None else dummy]
     strides = [w.qs.stride(0), w.qh.stride(0) if w.qh is not None else 0, w.scales.stride(0)]
     consts = {"BITS": w.bits, "GROUP": w.group_size, "ZERO": float(w.zero), "HAS_ZEROS": w.zeros is not None,
-              "HAS_OFFSETS": w.offsets is not None, "TILE_N": w.tile_n,
-              "SUPER": 0 if w.super_scales is None else SUPER_BLOCK // w.group_size}
+              "HAS_OFFSETS": w.offsets is not None, "TILE_N": w.tile_n}
     return ptrs + strides, consts
 
 

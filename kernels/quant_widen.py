@@ -30,19 +30,19 @@ from kernels.quant_layout import (
 @triton.jit
 def _widen_kernel(
     out_ptr,  # [N, K] fp16 / bf16 / fp32, packed column order
-    qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, stride_qs, stride_qh, stride_s,  # the packed weight
+    qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, stride_qs, stride_qh, stride_s,  # the packed weight
     N, K, stride_out,
     BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
     GROUP_STEP: tl.constexpr, HI_GROUP: tl.constexpr, HALF: tl.constexpr,
-    TILE_N: tl.constexpr = 0, SUPER: tl.constexpr = 0,
+    TILE_N: tl.constexpr = 0,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     w_lo, w_hi, _, _, _ = act_planes(
-        qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, u_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP,
-        ZERO, HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, HALF, out_ptr.dtype.element_ty,
-        TILE_N=TILE_N, SUPER=SUPER)
+        qs_ptr, qh_ptr, s_ptr, z_ptr, o_ptr, offs_n, k0, N, K, stride_qs, stride_qh, stride_s, BITS, GROUP, ZERO,
+        HAS_ZEROS, HAS_OFFSETS, BLOCK_N, BLOCK_K, CHUNK, GROUP_STEP, HI_GROUP, HALF, out_ptr.dtype.element_ty,
+        TILE_N=TILE_N)
     w = planes_in_k_order(w_lo, w_hi, BLOCK_N, BLOCK_K)
     cols = k0 + tl.arange(0, BLOCK_K)
     mask = (offs_n[:, None] < N) & (cols[None, :] < K)

@@ -31,17 +31,14 @@ VARIANTS = {
     "q6_k_g16": (6, 16, False, False, False),
     "int8_per_channel": (8, None, False, False, False),
     "q8_0_g32": (8, 32, False, False, False),
-    "q4_k_super": (4, 32, False, True, False),
-    "q6_k_super": (6, 16, False, False, False),
+    "q6_k_as_bytes": (8, 16, False, False, False),  # GGUF Q6_K / Q5_K codes held one a byte (the GPU loader's)
+    "q5_k_as_bytes": (8, 32, False, True, False),
 }
-# the GGUF K-quants as loaded: integer sub-scales (and mins) under fp16 super-block scales (`super_scales`)
-SUPER_VARIANTS = ("q4_k_super", "q6_k_super")
 SHAPES = [(4096, 4096), (1000, 14336)] if ON_GPU else [(40, 256), (19, 384)]
 
 
 def random_packed(n: int, k: int, bits: int, group: int | None, has_zeros: bool, has_offsets: bool,
-                  has_perm: bool, gen: torch.Generator, scale_dtype=torch.float16,
-                  has_supers: bool = False) -> IntPackedWeight:
+                  has_perm: bool, gen: torch.Generator, scale_dtype=torch.float16) -> IntPackedWeight:
     group = group or k
     num_groups = k // group
     codes = torch.randint(0, 1 << bits, (n, k), generator=gen)
@@ -49,18 +46,8 @@ def random_packed(n: int, k: int, bits: int, group: int | None, has_zeros: bool,
     zeros = torch.randint(0, 1 << bits, (n, num_groups), generator=gen) if has_zeros else None
     offsets = (torch.randn(n, num_groups, generator=gen) * 0.05).to(scale_dtype) if has_offsets else None
     perm = torch.randperm(k, generator=gen).to(torch.int32) if has_perm else None
-    supers = None
-    if has_supers:  # 6-bit sub-scales and mins (Q6_K: signed 8-bit scales) under fp16 (d, -dmin)
-        scales = torch.randint(-128 if offsets is None else 0, 64, (n, num_groups), generator=gen)
-        scales = scales.to(torch.int8 if offsets is None else torch.uint8)
-        offsets = None if offsets is None else torch.randint(0, 64, (n, num_groups), generator=gen).to(torch.uint8)
-        supers = (torch.rand(n, k // 256, 2, generator=gen) * torch.tensor([0.001, -0.002])).half()
     return pack_int(codes, bits, group, scales, zeros=zeros, zero=1 << (bits - 1), offsets=offsets,
-                    perm=perm, super_scales=supers).to(DEVICE)
-
-
-def variant_packed(n: int, k: int, variant: str, gen: torch.Generator) -> IntPackedWeight:
-    return random_packed(n, k, *VARIANTS[variant], gen, has_supers=variant in SUPER_VARIANTS)
+                    perm=perm).to(DEVICE)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -76,26 +63,6 @@ def test_pack_roundtrip_and_dequantize(variant):
     assert torch.equal(dequantize_int(w, torch.float64), expected)
 
 
-def test_super_scales_dequantize_as_products_and_are_checked():
-    """Under `super_scales` a group's scale is d * sc and its offset (-dmin) * m, formed in fp32 (GGUF's order);
-    flattening them to fp32 per-group planes keeps every weight; a float sub-scale or a K off the super-block
-    is refused naming the field."""
-    gen = torch.Generator().manual_seed(3)
-    w = variant_packed(4, 512, "q4_k_super", gen).to("cpu")
-    d, neg_dmin = w.super_scales.float().repeat_interleave(8, dim=1).unbind(-1)  # [4, 16] each
-    scale, offset = ((t * sub.float()).repeat_interleave(32, 1) for t, sub in ((d, w.scales), (neg_dmin, w.offsets)))
-    assert torch.equal(dequantize_int(w), scale * (unpack_codes(w) - w.zero).float() + offset)
-    flat = w.with_flat_scales()
-    assert flat.super_scales is None and flat.scales.dtype == torch.float32
-    assert torch.equal(dequantize_int(flat), dequantize_int(w))
-    assert w.nbytes == 4 * 512 // 2 + 2 * 4 * 16 + 4 * 2 * 2 * 2  # 4.625 bits a weight
-    with pytest.raises(ValueError, match="scales: expected shape"):
-        IntPackedWeight(**{**w.__dict__, "scales": w.scales.float()})
-    with pytest.raises(ValueError, match="super_scales: K=480 must be a multiple of 256"):
-        pack_int(torch.zeros(4, 480, dtype=torch.int32), 4, 32, torch.zeros(4, 15, dtype=torch.uint8),
-                 super_scales=torch.zeros(4, 1, 2, dtype=torch.float16))
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("num_rows", [1, 3, MAX_QUANT_GEMV_ROWS, 40, 130])
@@ -104,9 +71,7 @@ def test_quant_matmul_matches_dequantized_reference(variant, dtype, num_rows):
     order, 4-bit codes without offsets dequantized in fp16 / bf16); all against float64 dequantize-then-matmul."""
     gen = torch.Generator().manual_seed(num_rows * 31 + len(variant))
     for n, k in SHAPES:
-        if variant in SUPER_VARIANTS:
-            k = k // 256 * 256 or 256  # whole super-blocks
-        w = variant_packed(n, k, variant, gen)
+        w = random_packed(n, k, *VARIANTS[variant], gen)
         x = torch.randn(num_rows, k, generator=gen).to(dtype=dtype, device=DEVICE)
         bias = torch.randn(n, generator=gen).to(dtype=dtype, device=DEVICE) if num_rows % 2 else None
         out = poisoned((num_rows, n), dtype)
@@ -196,7 +161,7 @@ def test_widened_weight_and_matmul(variant):
     equals the float64 reference, act-order included."""
     gen = torch.Generator().manual_seed(len(variant) * 7)
     n, k = SHAPES[0]
-    w = variant_packed(n, k, variant, gen)
+    w = random_packed(n, k, *VARIANTS[variant], gen)
     expected = dequantize_int(w, torch.float32, unpermute=False)
     assert torch.allclose(widen(w, torch.float32), expected, rtol=1e-6, atol=1e-7)
     for dtype in (torch.bfloat16, torch.float16):

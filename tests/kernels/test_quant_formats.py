@@ -33,10 +33,11 @@ from inference_service.model.quant import (
     summarize,
 )
 from inference_service.model.quant.checkpoint import AWQ_ORDER
+from inference_service.model.quant.in_situ import q4_k_parts
 from kernels import FP8_DTYPE
 from kernels.fp8_gemm import Fp8Weight, dequantize_fp8, fp8_linear, fp8_matmul_ref
 from kernels.quant_gemm import quant_matmul
-from kernels.quant_layout import IntPackedWeight, dequantize_int, quant_matmul_ref, unpack_codes
+from kernels.quant_layout import IntPackedWeight, dequantize_int, quant_matmul_ref
 from tests.kernels.kernel_testlib import DEVICE, TOL, rel_err
 
 # type: (block bytes, elements a block, byte offsets of the fp16 scale/min fields)
@@ -61,6 +62,7 @@ def test_gguf_repack_dequantizes_bit_exact_and_multiplies(type_name):
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])  # [rows, cols] float32
     w = repack_gguf(raw, type_name)
     assert w.shape == (rows, cols)
+    assert w.bits == {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4}.get(type_name, 8)  # Q5_K / Q6_K codes one a byte
     assert np.array_equal(dequantize_int(w).numpy().view(np.uint32), expected.view(np.uint32))
     order = rng.permutation(rows)
     assert np.array_equal(dequantize_int(select_rows(w, order)).numpy(), expected[order])
@@ -228,7 +230,7 @@ def test_in_situ_quantization(method, bound):
     w = quantize_in_situ(w16, method)
     deq = dequantize_fp8(w) if isinstance(w, Fp8Weight) else dequantize_int(w, torch.float64)
     assert rel_err(deq, w16.double()) < bound
-    assert w.nbytes < w16.nbytes * (0.3 if method in ("int4", "q4_k") else 0.55)
+    assert w.nbytes < w16.nbytes * {"int4": 0.3, "q4_k": 0.4}.get(method, 0.55)  # q4_k: 6 bits a weight
     if method in ("int4", "int8"):  # the largest magnitude of each group lands on the last code
         qmax = 7 if method == "int4" else 127
         assert w.group_size == (128 if method == "int4" else 256)
@@ -245,39 +247,38 @@ def test_in_situ_int4_codes_exact():
 
 
 def test_in_situ_q4_k_is_gguf_q4_k():
-    """In-situ q4_k gives GGUF's Q4_K numbers: written as Q4_K blocks and read back by the `gguf` package, the
-    weight is the same bit for bit; rows whose K is off the 256-column super-block take Q4_1."""
+    """In-situ q4_k gives GGUF's Q4_K numbers: its fields written as Q4_K blocks and read back by the `gguf`
+    package give the weight bit for bit (and the loader's repack of those blocks the same packed weight); rows
+    whose K is off the 256-column super-block take Q4_1."""
     gen = torch.Generator().manual_seed(4)
     w32 = torch.randn(3, 512, generator=gen) * 0.02 + torch.linspace(0, 0.05, 512)  # groups off zero
     w = quantize_in_situ(w32, "q4_k")
-    assert (w.bits, w.group_size, w.zero) == (4, 32, 0) and w.super_scales.shape == (3, 2, 2)
-    assert w.nbytes * 8 / w32.numel() == 4.625
+    assert (w.bits, w.group_size, w.zero) == (4, 32, 0) and w.offsets is not None
     assert rel_err(dequantize_int(w, torch.float64), w32.double()) < 0.06
-    blocks = _q4_k_blocks(w)  # [3, 2 * 144] bytes as llama.cpp lays them out
+    blocks = _q4_k_blocks(*q4_k_parts(w32))  # [3, 2 * 144] bytes as llama.cpp lays them out
     expected = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K).reshape(3, 512)
     assert np.array_equal(dequantize_int(w).numpy(), expected)
-    assert np.array_equal(dequantize_int(repack_gguf(blocks, "Q4_K")).numpy(), expected)
+    repacked = repack_gguf(blocks, "Q4_K")
+    assert all(torch.equal(getattr(repacked, f), getattr(w, f)) for f in ("qs", "scales", "offsets"))
     q4_1 = quantize_in_situ(w32[:, :160], "q4_k")  # K off the super-block: GGUF's Q4_1, fp16 scale and min
-    assert q4_1.super_scales is None and q4_1.scales.dtype == q4_1.offsets.dtype == torch.float16
+    assert q4_1.scales.dtype == q4_1.offsets.dtype == torch.float16
     assert rel_err(dequantize_int(q4_1, torch.float64), w32[:, :160].double()) < 0.08
     with pytest.raises(ValueError, match="q4_k: K=100 is not a multiple of 32"):
         quantize_in_situ(torch.randn(4, 100), "q4_k")
 
 
-def _q4_k_blocks(w: IntPackedWeight) -> np.ndarray:
-    """A Q4_K `IntPackedWeight` written back as GGUF Q4_K blocks: d, dmin, the 12 bytes of 6-bit scales and mins
-    (get_scale_min's packing), 128 bytes of codes (a 64-column chunk's low nibbles are its first 32 columns)."""
-    n, k = w.shape
-    supers = w.super_scales.numpy().reshape(-1, 2)
-    sc, m = (t.numpy().astype(np.uint8).reshape(-1, 8) for t in (w.scales, w.offsets))
+def _q4_k_blocks(codes, d, sc, dmin, m) -> np.ndarray:
+    """Q4_K fields as GGUF blocks: d, dmin, the 12 bytes of 6-bit scales and mins (get_scale_min's packing),
+    128 bytes of codes (a 64-column chunk's low nibbles are its first 32 columns)."""
+    n = codes.shape[0]
+    sc, m = (t.numpy().astype(np.uint8).reshape(-1, 8) for t in (sc, m))
     packed = np.zeros((len(sc), 12), np.uint8)
     packed[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
     packed[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
     packed[:, 8:12] = (sc[:, 4:8] & 15) | ((m[:, 4:8] & 15) << 4)
-    codes = unpack_codes(w).numpy().astype(np.uint8).reshape(-1, 4, 2, 32)  # [blocks, chunk, half, column]
-    qs = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(-1, 128)
-    d = supers[:, 0:1].astype(np.float16).view(np.uint8)
-    dmin = (-supers[:, 1:2]).astype(np.float16).view(np.uint8)
+    quads = codes.numpy().astype(np.uint8).reshape(-1, 4, 2, 32)  # [blocks, chunk, half, column]
+    qs = (quads[:, :, 0] | (quads[:, :, 1] << 4)).reshape(-1, 128)
+    d, dmin = (t.numpy().reshape(-1, 1).view(np.uint8) for t in (d, dmin))
     return np.concatenate([d, dmin, packed, qs], axis=1).reshape(n, -1)
 
 

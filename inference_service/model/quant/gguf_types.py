@@ -5,14 +5,15 @@
 | Q4_0 | 4-bit | 32 | d (fp16) | 8 | - |
 | Q4_1 | 4-bit | 32 | d (fp16) | 0 | m (fp16) |
 | Q8_0 | 8-bit (int8 + 128) | 32 | d (fp16) | 128 | - |
-| Q4_K | 4-bit | 32 | sc (uint8) under d | 0 | m (uint8) under -dmin |
-| Q5_K | 5-bit | 32 | sc (uint8) under d | 0 | m (uint8) under -dmin |
-| Q6_K | 6-bit | 16 | sc (int8) under d | 32 | - |
+| Q4_K | 4-bit | 32 | d * sc (fp32) | 0 | -dmin * m (fp32) |
+| Q5_K | 5-bit, one a byte | 32 | d * sc (fp32) | 0 | -dmin * m (fp32) |
+| Q6_K | 6-bit, one a byte | 16 | d * sc (fp32) | 32 | - |
 
-The K-quants keep their two-level scales (`super_scales` [rows, super-blocks, 2] fp16: (d, -dmin)), so a
-Q4_K weight reads 4.625 bits, not the 6 that fp32 products per group would; the kernels form d * sc and
--dmin * m in fp32 as the `gguf` package does, so `dequantize_int` of the result is bit-exact with
-`gguf.quants.dequantize`. The block byte layouts are the `gguf` package's (and, for
+The products are formed in fp32 as the `gguf` package forms them, so `dequantize_int` of the result is
+bit-exact with `gguf.quants.dequantize`. Q5_K and Q6_K codes are held one a byte (the layout's 8-bit
+codes), not in 4-bit planes plus high bits: gathering the high bits took the decode GEMV ~9x the time
+(an H200, Llama-3-8B's projections at one row: Q6_K 33.2 -> 3.57 ms, Q5_K 32.6 -> 3.52; 1.25x the
+memory of the 6-bit form, bench/results/h200-2026-11-29b). The block byte layouts are the `gguf` package's (and, for
 Q4_0/Q4_1/Q8_0, the CPU kernels' `QuantizedWeight.from_gguf_blocks`): the K-quants' codes are read
 by dequantizing a copy of the blocks whose scales are set to 1 and mins to 0, which yields the codes
 exactly, so no bit layout is written twice.
@@ -60,31 +61,31 @@ def _repack_k_quant(blocks: np.ndarray, type_name: str) -> IntPackedWeight:
     flat = grouped.reshape(-1, grouped.shape[-1])
     unit = flat.copy()
     if type_name == "Q6_K":  # ql 128 | qh 64 | scales int8 16 | d fp16
-        d = flat[:, 208:210].copy().view(np.float16)  # [B, 1]
-        supers = np.concatenate([d, np.zeros_like(d)], axis=1)  # [B, 2]
-        scales = flat[:, 192:208].view(np.int8)  # [B, 16]
+        d = flat[:, 208:210].copy().view(np.float16).astype(np.float32)  # [B, 1]
+        scales = d * flat[:, 192:208].view(np.int8).astype(np.float32)  # [B, 16]
         unit[:, 192:208] = 1
         unit[:, 208:210] = _FP16_ONE
         codes = gguf.quants.dequantize(unit, qtype) + 32
-        bits, group, zero, offsets = 6, 16, 32, None
+        group, zero, offsets = 16, 32, None
     else:  # d fp16 | dmin fp16 | scales 12 | (Q5_K: qh 32) | qs 128
-        d = flat[:, 0:2].copy().view(np.float16)
-        dmin = flat[:, 2:4].copy().view(np.float16)
-        supers = np.concatenate([d, -dmin], axis=1)  # [B, 2]; -dmin * m is -(dmin * m) exactly
-        scales, offsets = (a.astype(np.uint8) for a in gguf.quants.Q4_K.get_scale_min(flat[:, 4:16].copy()))
+        d = flat[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = flat[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = gguf.quants.Q4_K.get_scale_min(flat[:, 4:16].copy())
+        scales = d * sc.astype(np.float32)  # [B, 8]
+        offsets = -(dmin * m.astype(np.float32))
         unit[:, 0:2] = _FP16_ONE
         unit[:, 2:4] = 0
         unit[:, 4:16] = _UNIT_SCALES_MINS
         codes = gguf.quants.dequantize(unit, qtype)
-        bits, group, zero = (4 if type_name == "Q4_K" else 5), 32, 0
+        group, zero = 32, 0
     cols = grouped.shape[1] * _SUPER
 
     def plane(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a.reshape(rows, -1)))
 
+    bits = 4 if type_name == "Q4_K" else 8  # Q5_K / Q6_K: one code a byte (module docstring)
     return pack_int(plane(codes.astype(np.int32)).view(rows, cols), bits, group, plane(scales), zero=zero,
-                    offsets=None if offsets is None else plane(offsets),
-                    super_scales=plane(supers).view(rows, -1, 2))
+                    offsets=None if offsets is None else plane(offsets))
 
 
 def repack_reader_tensor(tensor) -> IntPackedWeight:

@@ -37,9 +37,6 @@ def _concat_int(parts: list[IntPackedWeight]) -> IntPackedWeight:
             raise ValueError("cannot stack weights with different act-order permutations (g_idx)")
     if any((p.offsets is None) != (first.offsets is None) for p in parts):
         raise ValueError("cannot stack weights with and without offsets")
-    if any((p.super_scales is None) != (first.super_scales is None) for p in parts):
-        parts = [p.with_flat_scales() for p in parts]
-        first = parts[0]
 
     def cat(name: str) -> torch.Tensor | None:
         tensors = [row_major_qs(p) if name == "qs" else getattr(p, name) for p in parts]
@@ -51,8 +48,7 @@ def _concat_int(parts: list[IntPackedWeight]) -> IntPackedWeight:
                            for p in parts])
     scale_dtype = first.scales.dtype if all(p.scales.dtype == first.scales.dtype for p in parts) else torch.float32
     return IntPackedWeight(first.bits, first.group_size, cat("qs"), torch.cat([p.scales.to(scale_dtype) for p in parts]),
-                           qh=cat("qh"), zeros=zeros, zero=zero, offsets=cat("offsets"), perm=first.perm,
-                           super_scales=cat("super_scales"))
+                           qh=cat("qh"), zeros=zeros, zero=zero, offsets=cat("offsets"), perm=first.perm)
 
 
 def _concat_fp8(parts: list[Fp8Weight]) -> Fp8Weight:
@@ -82,5 +78,4 @@ def select_rows(w: PackedWeight, index: np.ndarray | torch.Tensor) -> PackedWeig
             raise ValueError("rows of an fp8 weight with block or per-tensor scales cannot be reordered")
         return Fp8Weight(pick(w.weight), pick(w.scale), 1, w.block_k)
     return IntPackedWeight(w.bits, w.group_size, pick(row_major_qs(w)), pick(w.scales), qh=pick(w.qh),
-                           zeros=pick(w.zeros), zero=w.zero, offsets=pick(w.offsets), perm=w.perm,
-                           super_scales=pick(w.super_scales))
+                           zeros=pick(w.zeros), zero=w.zero, offsets=pick(w.offsets), perm=w.perm)
