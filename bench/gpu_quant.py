@@ -49,7 +49,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep-formats", default="int4_gptq_g128,int4_gptq_g128+fused,q4_k,q8_0",
                    help="formats the sweep runs (int and fp8 layouts); FMT+fused: with the fused decoder's options")
     p.add_argument("--sweep-block-k", default="128,256,512,1024", help="K tiles the sweep tries")
-    p.add_argument("--formats", default="", help="formats the pass sections run (comma-separated; default all)")
+    p.add_argument("--formats", default="",
+                   help="formats the pass and crossover sections run (comma-separated; default all / three)")
     p.add_argument("--served-methods", default="bf16,int4,int8,fp8", help="weights the served section decodes with")
     p.add_argument("--smoke", action="store_true", help="CPU dry run: Triton interpreter, a tiny model")
     p.add_argument("--row-major", action="store_true", help="pass sections: 4-bit codes row-major, not in row tiles")
@@ -290,8 +291,8 @@ def section_crossover(shapes: dict, results: dict) -> None:
     """The decode kernels against the tensor-core paths at 1-16 rows (all layers' projections of one
     format, one CUDA graph): where `quant_matmul` and `fp8_linear` should switch from one to the other."""
     rows_out = []
-    row_counts = (1, 2, 4, 8, 16) if not ARGS.smoke else (1, 2)
-    for fmt in ("int4_gptq_g128", "q4_k", "fp8_channel"):
+    row_counts = (1, 2, 3, 4, 8, 16) if not ARGS.smoke else (1, 2)
+    for fmt in ARGS.formats.split(",") if ARGS.formats else ("int4_gptq_g128", "q4_k", "fp8_channel"):
         layers = [random_weight(fmt, n, k) for _, n, k in shapes["projections"] for _ in range(shapes["num_layers"])]
         is_fp8 = fmt.startswith("fp8")
         decode = (lambda x, w: fp8_gemv(x, w.weight, w.scale, w.block_n, w.block_k)) if is_fp8 else quant_gemv

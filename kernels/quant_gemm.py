@@ -35,7 +35,7 @@ from kernels._common import (
     require_inner_contiguous,
     require_same_device,
 )
-from kernels.quant_gemv import MAX_QUANT_GEMV_ROWS, QUANT_GEMV_FASTER_ROWS, on_tensor_cores, quant_gemv
+from kernels.quant_gemv import MAX_QUANT_GEMV_ROWS, gemv_faster_rows, on_tensor_cores, quant_gemv
 from kernels.quant_gemv_tc import quant_gemv_tc
 from kernels.quant_gemv_tc_tiles import row_blocks_win
 from kernels.quant_layout import (
@@ -155,8 +155,8 @@ def quant_gemm(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = 
 def quant_matmul(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = None, *, gated: bool = False,
                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ dequant(w).T + bias -> [M, N] in x's dtype: the decode GEMV up to
-    QUANT_GEMV_FASTER_ROWS rows (up to 16 for the 4-bit codes `quant_gemv_tc` takes: all of Llama-3-8B's
+    """x [M, K] @ dequant(w).T + bias -> [M, N] in x's dtype: the decode GEMV up to `gemv_faster_rows` rows
+    (2; 4 for 8-bit codes; up to 16 for the 4-bit codes `quant_gemv_tc` takes: all of Llama-3-8B's
     projections at 16 rows 5.07 -> 3.10 ms against this GEMM on an H200; past 16 they take it in row blocks
     where that measured faster, TC_ROW_BLOCKS), the tensor-core GEMM past it, and on the GPU from WIDEN_ROWS
     rows of fp16 / bf16 the widened weight through cuBLAS (`kernels.quant_widen`).
@@ -182,7 +182,7 @@ def quant_matmul(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None 
                 lambda: f"out: expected [{x.shape[0]}, {n}] {x.dtype}, got {tuple(out.shape)} {out.dtype}")
         require_inner_contiguous("out", out)
     require_same_device(x=x, qs=w.qs, scales=w.scales)
-    if (x.shape[0] <= QUANT_GEMV_FASTER_ROWS or is_fused
+    if (x.shape[0] <= gemv_faster_rows(w) or is_fused
             or (x.shape[0] <= MAX_QUANT_GEMV_ROWS and on_tensor_cores(w, x))):
         return quant_gemv(x, w, bias, gated=gated, norm_weight=norm_weight, eps=eps, residual=residual, out=out)
     if x.shape[0] >= WIDEN_ROWS and x.is_cuda and x.dtype != torch.float32:

@@ -47,6 +47,10 @@ MAX_QUANT_GEMV_ROWS = 16  # the most rows the kernel takes (the fused decoder op
 # `quant_matmul` sends the GEMV only fused calls (measured by `bench/gpu_quant.py --only crossover`) and the
 # 4-bit codes `quant_gemv_tc` takes (faster than the GEMM up to 16 rows).
 QUANT_GEMV_FASTER_ROWS = 2
+# 8-bit codes (GGUF Q8_0, Q5_K / Q6_K held one a byte, int8) beat the GEMM here up to 4 rows (an H200, all of
+# Llama-3-8B's projections, `bench/gpu_quant.py --only crossover`, 2026-11-29: Q8_0 at 3 / 4 rows 5.92 / 6.31 ms
+# against the GEMM's 7.31 / 7.35, Q6_K 7.42 / 7.82 against 8.05 / 8.14; Q4_K at 3 rows 6.72 against 6.05)
+BYTE_CODES_FASTER_ROWS = 4
 # NOTE: read once at import (the A/B switch of bench/gpu_quant.py), like KERNELS_PDL's launches are fixed per run.
 TENSOR_CORES = os.environ.get("KERNELS_QUANT_GEMV_TC", "1") != "0"
 # From this many rows `quant_gemv_tc` takes the fused options in its own prologue (an H200,
@@ -61,6 +65,11 @@ TENSOR_CORE_ROWS = 2
 ONE_ROW = os.environ.get("KERNELS_QUANT_GEMV_ONE_ROW", "split")
 if ONE_ROW not in ("split", "fused", "cuda"):
     raise ValueError(f"KERNELS_QUANT_GEMV_ONE_ROW: split, fused or cuda, got {ONE_ROW!r}")
+
+
+def gemv_faster_rows(w: IntPackedWeight) -> int:
+    """The most rows of x at which this kernel beats the tensor-core GEMM for w's codes."""
+    return BYTE_CODES_FASTER_ROWS if w.bits == 8 else QUANT_GEMV_FASTER_ROWS
 
 
 def on_tensor_cores(w: IntPackedWeight, x: torch.Tensor) -> bool:

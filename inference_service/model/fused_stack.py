@@ -22,7 +22,7 @@ beside each layer's attention and brings the o and gate_up weights' first bytes 
 (`kernels/l2_prefetch.py`); o waits for it.
 Projections kept in the packed integer layout (int4 / int8: GPTQ, AWQ, compressed-tensors, GGUF,
 in-situ) run `kernels.quant_matmul` there with the same options, on batches of up to
-`QUANT_GEMV_FASTER_ROWS` rows (past those the tensor-core GEMM beats the quantized GEMV). The path is
+`gemv_faster_rows` rows (past those the tensor-core GEMM beats the quantized GEMV). The path is
 taken only when every projection is one of those two (fp8 weights, and parts kept apart, run the
 general path through their own `forward`). A mixture-of-experts layer folds its attention the same way;
 its MLP is one RMSNorm launch, the router (`kernels.moe_route`) and `kernels.fused_moe`, which adds the
@@ -47,7 +47,7 @@ from inference_service.model.moe import SparseMoE, route
 from inference_service.model.norms import RMSNorm
 from inference_service.model.rope import kernel_cos_sin_cache
 from kernels.l2_prefetch import MAX_PREFETCH_ROWS, PrefetchPlan, default_prefetch_bytes
-from kernels.quant_gemv import QUANT_GEMV_FASTER_ROWS
+from kernels.quant_gemv import gemv_faster_rows
 from kernels.quant_layout import IntPackedWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -103,9 +103,10 @@ class FusedStack:
         is_sharded = any(getattr(module, "group", None) is not None for module in modules)
         self.can_fold_gemv = (not (is_sharded and any(isinstance(layer.mlp, SparseMoE) for layer in self.layers))
                               and all(isinstance(p, DenseLinear) or _int_packed(p) is not None for p in projections))
-        # The quantized GEMV loses to the tensor-core GEMM past QUANT_GEMV_FASTER_ROWS (bench/gpu_quant.py).
-        self.max_fold_rows = (QUANT_GEMV_FASTER_ROWS if any(_int_packed(p) is not None for p in projections)
-                              else kernels.MAX_GEMV_ROWS)
+        # The quantized GEMV loses to the tensor-core GEMM past `gemv_faster_rows` (bench/gpu_quant.py): the
+        # fold stops where the first projection leaves it
+        packed = [w for w in map(_int_packed, projections) if w is not None]
+        self.max_fold_rows = min(map(gemv_faster_rows, packed)) if packed else kernels.MAX_GEMV_ROWS
         # Measured (bench/results/h200-2026-11-28): quantized weights gain (int4 +2.5%, fp8 +0.9% at batch 1), 16-bit
         # ones do not (bf16 +0.15% on one GPU, -1.9% on two tensor-parallel ranks)
         is_quantized = any(not isinstance(p, DenseLinear) for p in projections)

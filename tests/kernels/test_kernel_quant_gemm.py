@@ -91,6 +91,24 @@ def test_both_kernels_take_any_row_count(launch):
         assert rel_err(launch(x, w), quant_matmul_ref(x, w)) < TOL[torch.float32]
 
 
+def test_byte_codes_stay_on_the_gemv_to_four_rows(monkeypatch):
+    """`quant_matmul` sends 8-bit codes to the GEMV up to 4 rows and other codes up to 2 (the crossover measured per
+    format); the GEMM past that."""
+    import kernels.quant_gemm as quant_gemm_module
+
+    gen = torch.Generator().manual_seed(6)
+    calls = []
+    for name in ("gemv", "gemm"):
+        kernel = getattr(quant_gemm_module, f"quant_{name}")
+        monkeypatch.setattr(quant_gemm_module, f"quant_{name}",
+                            lambda *a, kernel=kernel, name=name, **kw: calls.append(name) or kernel(*a, **kw))
+    for variant, rows in (("q8_0_g32", 4), ("q8_0_g32", 5), ("q4_1_g32", 2), ("q4_1_g32", 3)):
+        w = random_packed(16, 64, *VARIANTS[variant], gen)
+        x = torch.randn(rows, 64, generator=gen).to(device=DEVICE)
+        assert rel_err(quant_matmul(x, w), quant_matmul_ref(x, w)) < TOL[torch.float32]
+    assert calls == ["gemv", "gemm", "gemv", "gemm"]
+
+
 def test_fp32_scales_and_strided_rows():
     """K-quant scales are fp32 products; x may be a row-strided view (a slice of a wider tensor)."""
     gen = torch.Generator().manual_seed(9)

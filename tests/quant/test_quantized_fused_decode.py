@@ -15,7 +15,6 @@ from inference_service.model.decoder import DecoderModel
 from inference_service.model.loader import load_model
 from inference_service.model.quantized_linear import QuantizedLinear
 from kernels._common import is_interpreter
-from kernels.quant_gemv import QUANT_GEMV_FASTER_ROWS
 from tests.model.harness import PagedHarness
 from tests.model.tiny_models import make_hf_model, save_hf_model
 from tests.quant.checkpoints import TINY_LLAMA
@@ -51,25 +50,29 @@ def _decode_logits(model: DecoderModel, prompts: list[list[int]]) -> list[torch.
     return steps
 
 
-@pytest.mark.parametrize(("method", "num_seqs"), [("int4", 2), ("int8", 1)])
-def test_int_packed_projections_fold_into_the_decode_path(method, num_seqs, fused_fp32, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("method", "num_seqs", "max_rows"), [("int4", 2, 2), ("int8", 1, 4), ("int8", 4, 4)])
+def test_int_packed_projections_fold_into_the_decode_path(method, num_seqs, max_rows, fused_fp32, tmp_path,
+                                                          monkeypatch):
+    """Decode batches up to `gemv_faster_rows` rows (4 for 8-bit codes) run every projection through the GEMV with
+    the norms, SiLU and residual folded in, with the general path's logits."""
     folder = save_hf_model(make_hf_model("llama", seed=3, **TINY_LLAMA), str(tmp_path / "plain"))
     model = load_model(folder, device="cpu", quantization=method).model
     stack = model.stack
     assert type(stack) is fused_stack.FusedStack
     stack.plan_folding()
-    assert stack.can_fold_gemv and stack.max_fold_rows == QUANT_GEMV_FASTER_ROWS
+    assert stack.can_fold_gemv and stack.max_fold_rows == max_rows
     assert all(isinstance(m, QuantizedLinear) and m.is_packed for layer in model.model.layers
                for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
     calls = []
     quant_matmul = kernels.quant_matmul
     monkeypatch.setattr(kernels, "quant_matmul", lambda *a, **kw: calls.append(sorted(kw)) or quant_matmul(*a, **kw))
-    folded = _decode_logits(model, PROMPTS[:num_seqs])
+    prompts = (PROMPTS * 2)[:num_seqs]
+    folded = _decode_logits(model, prompts)
     # Every layer's four projections, with their fused options, at every decode step
     per_step = [["eps", "norm_weight"], ["gated", "residual"], ["eps", "norm_weight"], ["gated", "residual"]]
     assert calls == per_step * model.config.num_hidden_layers * NUM_STEPS
     monkeypatch.setattr(stack, "can_fold_gemv", False)
-    general = _decode_logits(model, PROMPTS[:num_seqs])
+    general = _decode_logits(model, prompts)
     for step, (a, b) in enumerate(zip(folded, general)):
         error = float((a - b).abs().max() / b.abs().max())
         assert error < 1e-5, f"decode step {step}: relative error {error:.1e}"

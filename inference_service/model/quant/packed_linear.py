@@ -9,7 +9,7 @@ import torch
 from inference_service.model.quant.summary import PackedWeight
 from kernels.fp8_gemm import Fp8Weight, dequantize_fp8, fp8_linear
 from kernels.quant_gemm import quant_matmul
-from kernels.quant_gemv import QUANT_GEMV_FASTER_ROWS
+from kernels.quant_gemv import gemv_faster_rows
 from kernels.quant_layout import dequantize_int
 
 
@@ -20,7 +20,7 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
     n = weight.shape[0]
     if isinstance(weight, Fp8Weight):
         y = fp8_linear(rows, weight, bias, residual=None if residual is None else residual.reshape(-1, n))
-    elif residual is not None and rows.shape[0] > QUANT_GEMV_FASTER_ROWS:  # the GEMM takes no residual
+    elif residual is not None and rows.shape[0] > gemv_faster_rows(weight):  # the GEMM takes no residual
         y = quant_matmul(rows, weight, bias)
         y += residual.reshape(-1, n)
     else:
