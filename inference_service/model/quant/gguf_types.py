@@ -13,10 +13,10 @@ The products are formed in fp32 as the `gguf` package forms them, so `dequantize
 bit-exact with `gguf.quants.dequantize`. Q5_K and Q6_K codes are held one a byte (the layout's 8-bit
 codes), not in 4-bit planes plus high bits: gathering the high bits took the decode GEMV ~9x the time
 (an H200, Llama-3-8B's projections at one row: Q6_K 33.2 -> 3.57 ms, Q5_K 32.6 -> 3.52; 1.25x the
-memory of the 6-bit form, bench/results/h200-2026-11-29b). The block byte layouts are the `gguf` package's (and, for
-Q4_0/Q4_1/Q8_0, the CPU kernels' `QuantizedWeight.from_gguf_blocks`): the K-quants' codes are read
-by dequantizing a copy of the blocks whose scales are set to 1 and mins to 0, which yields the codes
-exactly, so no bit layout is written twice.
+memory of the 6-bit form, bench/results/h200-2026-11-29b). The block byte layouts are the `gguf`
+package's (and, for Q4_0/Q4_1/Q8_0, the CPU kernels' `QuantizedWeight.from_gguf_blocks`): the K-quants'
+codes are read by dequantizing a copy of the blocks whose scales are set to 1 and mins to 0, which yields
+the codes exactly, so no bit layout is written twice.
 """
 
 from __future__ import annotations

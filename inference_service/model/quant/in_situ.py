@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8_gemm import Fp8Weight, quantize_fp8_groups
 from inference_service.config import IN_SITU_QUANTIZATIONS as IN_SITU_METHODS
+from kernels.fp8_gemm import Fp8Weight, quantize_fp8_groups
 from kernels.quant_layout import IntPackedWeight, pack_int
 
 INT4_GROUP = 128
