@@ -81,14 +81,12 @@ BF16 = torch.bfloat16
 SMOKE_SHAPES = {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
                 "num_hidden_layers": 1, "vocab_size": 256}
 # format: (bits, group (None: per channel), scale dtype, zeros plane, offsets); GGUF's K-quants as the loader
-# repacks them (fp32 products per group) and, "_8bit", their 5- and 6-bit codes held one a byte
+# repacks them (fp32 products per group; Q5_K / Q6_K codes one a byte)
 INT_LAYOUTS = {"int4_gptq_g128": (4, 128, torch.float16, False, False),
                "int4_awq_g128": (4, 128, torch.float16, True, False),
                "q4_k": (4, 32, torch.float32, False, True),
-               "q5_k": (5, 32, torch.float32, False, True),
-               "q5_k_8bit": (8, 32, torch.float32, False, True),
-               "q6_k": (6, 16, torch.float32, False, False),
-               "q6_k_8bit": (8, 16, torch.float32, False, False),
+               "q5_k": (8, 32, torch.float32, False, True),
+               "q6_k": (8, 16, torch.float32, False, False),
                "q4_0": (4, 32, torch.float16, False, False),
                "q8_0": (8, 32, torch.float16, False, False)}
 FP8_LAYOUTS = {"fp8_channel": None, "fp8_block128": (128, 128)}
@@ -120,12 +118,10 @@ def random_weight(fmt: str, n: int, k: int):
         group = group or k
         groups = (n, k // group)
         qs = torch.randint(0, 256, (n, k if bits == 8 else k // 2), dtype=torch.uint8, device=DEVICE)
-        qh = (torch.randint(0, 256, (n, k * (bits - 4) // 8), dtype=torch.uint8, device=DEVICE)
-              if bits in (5, 6) else None)
         zeros = torch.randint(0, 16, groups, dtype=torch.uint8, device=DEVICE) if has_zeros else None
         scales = (torch.rand(groups, device=DEVICE) * 0.002).to(scale_dtype)
         offsets = (torch.rand(groups, device=DEVICE) * -0.01).to(scale_dtype) if has_offsets else None
-        w = IntPackedWeight(bits, group, qs, scales, qh=qh, zeros=zeros, zero=1 << (bits - 1), offsets=offsets)
+        w = IntPackedWeight(bits, group, qs, scales, zeros=zeros, zero=1 << (bits - 1), offsets=offsets)
         return w if ARGS.row_major else with_row_tiles(w)  # the layout the engine loads
     block_n, block_k = FP8_LAYOUTS[fmt] or (1, k)
     q = (torch.randn(n, k, device=DEVICE) * 64).to(torch.float8_e4m3fn)
