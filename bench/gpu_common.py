@@ -194,6 +194,25 @@ def matmul_tflops(n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
     return 2 * n**3 / times[len(times) // 2] / 1e12
 
 
+def sustained_matmul_tflops(n: int, dtype: torch.dtype, seconds: float) -> float:
+    """The n x n x n product's rate over ~`seconds` of back-to-back products (timed by CUDA events)."""
+    a, b = torch.randn(n, n, device=DEVICE).to(dtype), torch.randn(n, n, device=DEVICE).to(dtype)
+    a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    a @ b
+    end.record()
+    end.synchronize()
+    reps = max(1, int(seconds * 1e3 / start.elapsed_time(end)))
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2 * n**3 * reps / (start.elapsed_time(end) * 1e-3) / 1e12
+
+
 def free_device_memory() -> None:
     import gc
 

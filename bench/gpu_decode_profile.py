@@ -8,8 +8,11 @@
             K/V, over tile configurations and split counts: time and bandwidth of the K/V bytes.
   profile   the engine's decode steps (CUDA graphs) under torch.profiler: GPU time per step by
             kernel, and their sum against the step's wall time.
+  prefill   time to first token of --prefill-lens prompts (the engine built from `serve`'s flags, as
+            bench/served_path.py builds it) against the FLOP roofline, and one prompt of each length under
+            torch.profiler: GPU time by kernel against the wall time.
 
-Usage: python bench/gpu_decode_profile.py [--only gemv,attention,profile] [--batch B --context C]
+Usage: python bench/gpu_decode_profile.py [--only gemv,attention,profile,prefill] [--batch B --context C]
        [--attention-shapes 256x1500,1x640]
        [--kv-cache-dtype fp8] [--out DIR]
 """
@@ -238,6 +241,138 @@ def profile_section(results: dict, out_dir: str, batch: int = 1, context: int = 
     common.free_device_memory()
 
 
+class ClockSampler:
+    """The GPU's SM clock, power draw and clock-limit reasons sampled every 2 ms in a thread (NVML) while the block
+    runs: `summary()` gives the clock's and the power's {min, median, max} and how often each reason held, or None
+    without NVML. Issue 17's TTFT roofline takes the matmul rate of short products; this says whether a long
+    prefill ran at the clock that rate was measured at, and what held it back."""
+
+    def __enter__(self):
+        import threading
+
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            reasons = {name[len("nvmlClocksEventReason"):]: getattr(pynvml, name) for name in dir(pynvml)
+                       if name.startswith("nvmlClocksEventReason") and name[len("nvmlClocksEventReason"):] not in
+                       ("None", "All", "Unknown")}
+
+            def read() -> tuple[int, float, tuple[str, ...]]:
+                mask = pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle)
+                return (pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+                        pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3,
+                        tuple(name for name, bit in reasons.items() if mask & bit))
+
+            read()
+        except Exception:  # noqa: BLE001 - no NVML: no samples
+            return self
+
+        def sample() -> None:
+            while not self._stop.wait(0.002):
+                self.samples.append(read())
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if getattr(self, "_thread", None) is not None:
+            self._thread.join()
+
+    def summary(self) -> dict | None:
+        if not self.samples:
+            return None
+
+        def spread(values: list) -> dict:
+            ordered = sorted(values)
+            return {"min": ordered[0], "median": ordered[len(ordered) // 2], "max": ordered[-1]}
+
+        held: dict[str, int] = {}
+        for _, _, names in self.samples:
+            for name in names:
+                held[name] = held.get(name, 0) + 1
+        return {"sm_mhz": spread([c for c, _, _ in self.samples]), "power_w": spread([p for _, p, _ in self.samples]),
+                "samples": len(self.samples), "limit_reasons": held}
+
+
+
+def _ttft_ms(engine, n: int, seed: int, params) -> float:
+    """ms from adding a fresh prompt of n tokens to its first token, the engine otherwise idle."""
+    import served_path
+
+    engine.add_request(engine.input_processor.process(f"t{n}-{seed}", served_path._prompt(n, seed, engine), params))
+    common.sync()
+    t0 = time.perf_counter()
+    engine.run_until_idle()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def prefill_section(results: dict, out_dir: str, lens: tuple[int, ...] = (1024, 4096),
+                    setup: dict | None = None) -> None:
+    from prometheus_client import CollectorRegistry
+    from torch.profiler import ProfilerActivity, profile
+
+    import served_path
+    from inference_service.cli import build_parser, configs_from_args
+    from inference_service.engine.llm_engine import LLMEngine
+    from inference_service.engine.sampling_params import SamplingParams
+    from inference_service.metrics import EngineMetrics
+
+    setup = setup or served_path.GPU
+    config, _ = configs_from_args(build_parser().parse_args(["serve", *served_path.serve_flags(setup)]))
+    engine = LLMEngine(config, metrics=EngineMetrics("bench", registry=CollectorRegistry()))
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    engine.generate([served_path._prompt(64, 7 + i, engine) for i in range(4)], one)
+    cfg = engine.loaded.config
+    linear_params = common.weight_bytes_per_step(engine.loaded.model) / engine.loaded.model.dtype.itemsize
+    tflops = common.matmul_tflops(setup["matmul_n"], engine.loaded.model.dtype)
+    out = {"matmul_tflops": round(tflops, 1), "sustained_matmul": {}, "lens": {}}
+    for seconds in (0.1, 1.0):  # the roofline's product back to back: a 4k prefill's length, and ten of them
+        with ClockSampler() as clocks:
+            sustained = common.sustained_matmul_tflops(setup["matmul_n"], engine.loaded.model.dtype, seconds)
+        out["sustained_matmul"][f"{seconds:g}s"] = {"tflops": round(sustained, 1), "gpu": clocks.summary()}
+    for n in lens:
+        # served_path's roofline: 2 FLOPs a weight a token (the lm_head's too) + causal attention
+        roofline_ms = (2 * linear_params * n + 2 * n * n * cfg.num_attention_heads * cfg.head_dim
+                       * cfg.num_hidden_layers) / (tflops * 1e12) * 1e3
+        times, rested = [], []
+        with ClockSampler() as clocks:
+            for rep in range(4):
+                times.append(_ttft_ms(engine, n, 900 + n + rep, one))
+        for rep in range(3):  # each after a second of idle GPU: what a burst-rated clock gives one prompt
+            time.sleep(1.0)
+            rested.append(_ttft_ms(engine, n, 950 + n + rep, one))
+        engine.add_request(engine.input_processor.process(f"p{n}", served_path._prompt(n, 990 + n, engine), one))
+        common.sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.run_until_idle()
+            common.sync()
+        kernels = {}
+        for evt in prof.key_averages():
+            device_us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
+            if device_us > 0:
+                kernels[evt.key] = (device_us, evt.count)
+        top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]
+        out["lens"][str(n)] = {
+            "ttft_ms_best": round(min(times), 2), "ttft_ms_all": [round(t, 2) for t in times],
+            "ttft_ms_after_1s_idle": [round(t, 2) for t in rested],
+            "roofline_ms": round(roofline_ms, 2), "ratio": round(min(times) / roofline_ms, 3),
+            "gpu_while_prefilling": clocks.summary(),
+            "gpu_kernel_ms": round(sum(us for us, _ in kernels.values()) / 1e3, 2),
+            "top": [{"kernel": k[:110], "us": round(us, 1), "calls": c} for k, (us, c) in top]}
+        prof.export_chrome_trace(os.path.join(out_dir, f"prefill_{n}.json"))
+        print(json.dumps({n: {k: v for k, v in out["lens"][str(n)].items() if k != "top"}}), flush=True)
+    results["prefill"] = out
+    print(json.dumps(out, indent=1), flush=True)
+    del engine
+    common.free_device_memory()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="gemv,profile")
@@ -253,6 +388,7 @@ def main() -> None:
     parser.add_argument("--configs", default="llama-3-8b",
                         help="bench/configs models the profile section runs, each optionally :int4/:int8/:fp8 "
                              "(quantized in situ), e.g. llama-3-8b,llama-3-8b:int4,qwen3-30b-a3b")
+    parser.add_argument("--prefill-lens", default="1024,4096", help="prompt lengths of the prefill section")
     parser.add_argument("--gemv-shapes", default="llama-3-8b",
                         help=f"comma-separated, of {sorted(SHAPES)} (llama-3-8b-tp2: one rank of two)")
     args = parser.parse_args()
@@ -272,7 +408,8 @@ def main() -> None:
                                                       kv_cache_dtype=args.kv_cache_dtype, config=config,
                                                       quantization=quantization)
                                       for config, _, quantization in (c.partition(":")
-                                                                      for c in args.configs.split(","))]}
+                                                                      for c in args.configs.split(","))],
+                "prefill": lambda r: prefill_section(r, args.out, tuple(map(int, args.prefill_lens.split(","))))}
     for name in args.only.split(","):
         try:
             sections[name](results)

@@ -3,6 +3,7 @@
 K/V (what a prefill without a cached prefix could call instead).
 
     python bench/prefill_attention_tune.py [--lens 1024,4096] [--out DIR]
+    python bench/prefill_attention_tune.py --only layouts   # cuDNN's SDPA on the layouts a prefill could hand it
 
 Prints one line a (cache dtype, length, config) in TFLOP/s of causal attention FLOPs, and writes
 prefill_attention_tune.json to --out.
@@ -76,14 +77,58 @@ def host_overheads(num_calls: int = 400) -> list[dict]:
     return rows
 
 
+def dense_layouts(length: int) -> list[dict]:
+    """cuDNN's causal SDPA (the dense prefill's) at `length` tokens on the operand layouts a prefill step can hand
+    it: views of the qkv projection's output [L, Hq + 2 Hkv, D] (what the engine passes), K and V copied head-major
+    first, all three head-major, and separate [L, H, D] tensors; ms with and without the copies."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    flops = 4 * NUM_Q_HEADS * HEAD_DIM * (length * (length + 1) // 2)
+    qkv = torch.randn(length, NUM_Q_HEADS + 2 * NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.split([NUM_Q_HEADS, NUM_KV_HEADS, NUM_KV_HEADS], dim=1)  # [L, H, D] views
+
+    def head_major(t: torch.Tensor) -> torch.Tensor:  # [L, H, D] -> [1, H, L, D] (a view)
+        return t.transpose(0, 1).unsqueeze(0)
+
+    def sdpa(qh, kh, vh):
+        return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+
+    copies = {name: head_major(t).contiguous() for name, t in (("q", q), ("k", k), ("v", v))}
+    separate = {name: t.contiguous() for name, t in (("q", q), ("k", k), ("v", v))}
+    variants = {
+        "qkv views (engine)": lambda: sdpa(head_major(q), head_major(k), head_major(v)),
+        "k, v head-major (copies timed)": lambda: sdpa(head_major(q), head_major(k).contiguous(),
+                                                       head_major(v).contiguous()),
+        "k, v head-major (no copies)": lambda: sdpa(head_major(q), copies["k"], copies["v"]),
+        "all head-major (copies timed)": lambda: sdpa(head_major(q).contiguous(), head_major(k).contiguous(),
+                                                      head_major(v).contiguous()),
+        "all head-major (no copies)": lambda: sdpa(copies["q"], copies["k"], copies["v"]),
+        "separate [L, H, D] (no copies)": lambda: sdpa(*(head_major(separate[n]) for n in "qkv")),
+    }
+    rows = []
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+        for name, call in variants.items():
+            with sdpa_kernel(backend):
+                ms = time_ms(call)
+            row = {"kind": "dense layout", "len": length, "cfg": f"{backend.name}: {name}", "ms": round(ms, 4),
+                   "TFLOPs": round(flops / (ms * 1e-3) / 1e12, 1)}
+            rows.append(row)
+            print(f"{row['cfg']:>50} len={length}: {ms:.4f} ms {row['TFLOPs']:.0f} TFLOP/s", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lens", default="1024,4096")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--only", default="paged,layouts", help="paged (tiles and SDPA), layouts (dense_layouts)")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []
-    for length in (int(x) for x in args.lens.split(",")):
+    if "layouts" in args.only:
+        for length in (int(x) for x in args.lens.split(",")):
+            rows += dense_layouts(length)
+    for length in (int(x) for x in args.lens.split(",") if "paged" in args.only):
         pages = length // PAGE
         q = torch.randn(length, NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(pages + 1, PAGE, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
