@@ -96,6 +96,10 @@ class GrpcBackend:
         rec.start = time.perf_counter()
         try:
             await call.write(pb.GenerateRequest(start=self._start(spec)))
+            # NOTE: half-closed: the engine ends the stream once its one request is done, an error answered in
+            # band (no usage follows it) included; left open, the stream would wait for more requests until the
+            # timeout
+            await call.done_writing()
             async for resp in call:
                 now = time.perf_counter()
                 if resp.HasField("error") and (resp.error.code or resp.error.message):
