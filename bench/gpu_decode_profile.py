@@ -250,7 +250,7 @@ class ClockSampler:
     def __enter__(self):
         import threading
 
-        self.samples: list[int] = []
+        self.samples: list[tuple[int, float, tuple[str, ...]]] = []  # (SM MHz, watts, limit reasons)
         self._stop = threading.Event()
         try:
             import pynvml
@@ -300,7 +300,6 @@ class ClockSampler:
                 "samples": len(self.samples), "limit_reasons": held}
 
 
-
 def _ttft_ms(engine, n: int, seed: int, params) -> float:
     """ms from adding a fresh prompt of n tokens to its first token, the engine otherwise idle."""
     import served_path
@@ -328,8 +327,6 @@ def prefill_section(results: dict, out_dir: str, lens: tuple[int, ...] = (1024, 
     engine = LLMEngine(config, metrics=EngineMetrics("bench", registry=CollectorRegistry()))
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     engine.generate([served_path._prompt(64, 7 + i, engine) for i in range(4)], one)
-    cfg = engine.loaded.config
-    linear_params = common.weight_bytes_per_step(engine.loaded.model) / engine.loaded.model.dtype.itemsize
     tflops = common.matmul_tflops(setup["matmul_n"], engine.loaded.model.dtype)
     out = {"matmul_tflops": round(tflops, 1), "sustained_matmul": {}, "lens": {}}
     for seconds in (0.1, 1.0):  # the roofline's product back to back: a 4k prefill's length, and ten of them
@@ -337,9 +334,7 @@ def prefill_section(results: dict, out_dir: str, lens: tuple[int, ...] = (1024, 
             sustained = common.sustained_matmul_tflops(setup["matmul_n"], engine.loaded.model.dtype, seconds)
         out["sustained_matmul"][f"{seconds:g}s"] = {"tflops": round(sustained, 1), "gpu": clocks.summary()}
     for n in lens:
-        # served_path's roofline: 2 FLOPs a weight a token (the lm_head's too) + causal attention
-        roofline_ms = (2 * linear_params * n + 2 * n * n * cfg.num_attention_heads * cfg.head_dim
-                       * cfg.num_hidden_layers) / (tflops * 1e12) * 1e3
+        roofline_ms = served_path.ttft_roofline_ms(engine, n, tflops)
         times, rested = [], []
         with ClockSampler() as clocks:
             for rep in range(4):

@@ -113,20 +113,26 @@ def in_process(flags: list[str], setup: dict, out_path: str) -> None:
     # Again after the load, as the served runs measure TTFT: what the engine's state after a load costs
     result["ttft_ms_after_load"] = _ttft_ms(engine, setup, seed=60, rest_s=setup["ttft_rest_s"])
 
-    # The FLOP roofline of a prompt of n tokens: 2 FLOPs per weight per token + causal attention (QK^T, PV)
-    cfg = engine.loaded.config
-    linear_params = common.weight_bytes_per_step(engine.loaded.model) / engine.loaded.model.dtype.itemsize
     time.sleep(setup["ttft_rest_s"] * 2)  # the burst rate of a rested GPU, as the TTFTs above were measured
     tflops = common.matmul_tflops(setup["matmul_n"], engine.loaded.model.dtype)
     result["matmul_tflops"] = round(tflops, 2)
     if common.DEVICE == "cuda":
         result["matmul_tflops_sustained_1s"] = round(
             common.sustained_matmul_tflops(setup["matmul_n"], engine.loaded.model.dtype, 1.0), 2)
-    result["ttft_roofline_ms"] = {
-        str(n): round((2 * linear_params * n + 2 * n * n * cfg.num_attention_heads * cfg.head_dim
-                       * cfg.num_hidden_layers) / (tflops * 1e12) * 1e3, 3) for n in setup["ttft_lens"]}
+    result["ttft_roofline_ms"] = {str(n): round(ttft_roofline_ms(engine, n, tflops), 3) for n in setup["ttft_lens"]}
     with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def ttft_roofline_ms(engine, n: int, tflops: float) -> float:
+    """The FLOP roofline of a prompt of n tokens at `tflops`: 2 FLOPs a weight a token (the lm_head's too) + causal
+    attention (QK^T, PV)."""
+    import gpu_common as common
+
+    cfg = engine.loaded.config
+    linear_params = common.weight_bytes_per_step(engine.loaded.model) / engine.loaded.model.dtype.itemsize
+    flops = 2 * linear_params * n + 2 * n * n * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+    return flops / (tflops * 1e12) * 1e3
 
 
 def _ttft_ms(engine, setup: dict, seed: int, rest_s: float) -> dict:
