@@ -213,6 +213,74 @@ def sustained_matmul_tflops(n: int, dtype: torch.dtype, seconds: float) -> float
     return 2 * n**3 * reps / (start.elapsed_time(end) * 1e-3) / 1e12
 
 
+def ttft_roofline_ms(engine, n: int, tflops: float) -> float:
+    """The FLOP roofline of a prompt of n tokens at `tflops`: 2 FLOPs a weight a token (the lm_head's too) + causal
+    attention (QK^T, PV)."""
+    cfg = engine.loaded.config
+    linear_params = weight_bytes_per_step(engine.loaded.model) / engine.loaded.model.dtype.itemsize
+    flops = 2 * linear_params * n + 2 * n * n * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+    return flops / (tflops * 1e12) * 1e3
+
+
+class ClockSampler:
+    """The GPU's SM clock, power draw and clock-limit reasons sampled every 2 ms in a thread (NVML) while the block
+    runs: `summary()` gives the clock's and the power's {min, median, max} and how often each reason held, or None
+    without NVML. Issue 17's TTFT roofline takes the matmul rate of short products; this says whether a long
+    prefill ran at the clock that rate was measured at, and what held it back."""
+
+    def __enter__(self):
+        import threading
+
+        self.samples: list[tuple[int, float, tuple[str, ...]]] = []  # (SM MHz, watts, limit reasons)
+        self._stop = threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            reasons = {name[len("nvmlClocksEventReason"):]: getattr(pynvml, name) for name in dir(pynvml)
+                       if name.startswith("nvmlClocksEventReason") and name[len("nvmlClocksEventReason"):] not in
+                       ("None", "All", "Unknown")}
+
+            def read() -> tuple[int, float, tuple[str, ...]]:
+                mask = pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle)
+                return (pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+                        pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3,
+                        tuple(name for name, bit in reasons.items() if mask & bit))
+
+            read()
+        except Exception:  # noqa: BLE001 - no NVML: no samples
+            return self
+
+        def sample() -> None:
+            while not self._stop.wait(0.002):
+                self.samples.append(read())
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if getattr(self, "_thread", None) is not None:
+            self._thread.join()
+
+    def summary(self) -> dict | None:
+        if not self.samples:
+            return None
+
+        def spread(values: list) -> dict:
+            ordered = sorted(values)
+            return {"min": ordered[0], "median": ordered[len(ordered) // 2], "max": ordered[-1]}
+
+        held: dict[str, int] = {}
+        for _, _, names in self.samples:
+            for name in names:
+                held[name] = held.get(name, 0) + 1
+        return {"sm_mhz": spread([c for c, _, _ in self.samples]), "power_w": spread([p for _, p, _ in self.samples]),
+                "samples": len(self.samples), "limit_reasons": held}
+
+
 def free_device_memory() -> None:
     import gc
 

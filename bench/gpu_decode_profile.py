@@ -241,65 +241,6 @@ def profile_section(results: dict, out_dir: str, batch: int = 1, context: int = 
     common.free_device_memory()
 
 
-class ClockSampler:
-    """The GPU's SM clock, power draw and clock-limit reasons sampled every 2 ms in a thread (NVML) while the block
-    runs: `summary()` gives the clock's and the power's {min, median, max} and how often each reason held, or None
-    without NVML. Issue 17's TTFT roofline takes the matmul rate of short products; this says whether a long
-    prefill ran at the clock that rate was measured at, and what held it back."""
-
-    def __enter__(self):
-        import threading
-
-        self.samples: list[tuple[int, float, tuple[str, ...]]] = []  # (SM MHz, watts, limit reasons)
-        self._stop = threading.Event()
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-            reasons = {name[len("nvmlClocksEventReason"):]: getattr(pynvml, name) for name in dir(pynvml)
-                       if name.startswith("nvmlClocksEventReason") and name[len("nvmlClocksEventReason"):] not in
-                       ("None", "All", "Unknown")}
-
-            def read() -> tuple[int, float, tuple[str, ...]]:
-                mask = pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle)
-                return (pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
-                        pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3,
-                        tuple(name for name, bit in reasons.items() if mask & bit))
-
-            read()
-        except Exception:  # noqa: BLE001 - no NVML: no samples
-            return self
-
-        def sample() -> None:
-            while not self._stop.wait(0.002):
-                self.samples.append(read())
-
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if getattr(self, "_thread", None) is not None:
-            self._thread.join()
-
-    def summary(self) -> dict | None:
-        if not self.samples:
-            return None
-
-        def spread(values: list) -> dict:
-            ordered = sorted(values)
-            return {"min": ordered[0], "median": ordered[len(ordered) // 2], "max": ordered[-1]}
-
-        held: dict[str, int] = {}
-        for _, _, names in self.samples:
-            for name in names:
-                held[name] = held.get(name, 0) + 1
-        return {"sm_mhz": spread([c for c, _, _ in self.samples]), "power_w": spread([p for _, p, _ in self.samples]),
-                "samples": len(self.samples), "limit_reasons": held}
-
-
 def _ttft_ms(engine, n: int, seed: int, params) -> float:
     """ms from adding a fresh prompt of n tokens to its first token, the engine otherwise idle."""
     import served_path
@@ -330,13 +271,13 @@ def prefill_section(results: dict, out_dir: str, lens: tuple[int, ...] = (1024, 
     tflops = common.matmul_tflops(setup["matmul_n"], engine.loaded.model.dtype)
     out = {"matmul_tflops": round(tflops, 1), "sustained_matmul": {}, "lens": {}}
     for seconds in (0.1, 1.0):  # the roofline's product back to back: a 4k prefill's length, and ten of them
-        with ClockSampler() as clocks:
+        with common.ClockSampler() as clocks:
             sustained = common.sustained_matmul_tflops(setup["matmul_n"], engine.loaded.model.dtype, seconds)
         out["sustained_matmul"][f"{seconds:g}s"] = {"tflops": round(sustained, 1), "gpu": clocks.summary()}
     for n in lens:
-        roofline_ms = served_path.ttft_roofline_ms(engine, n, tflops)
+        roofline_ms = common.ttft_roofline_ms(engine, n, tflops)
         times, rested = [], []
-        with ClockSampler() as clocks:
+        with common.ClockSampler() as clocks:
             for rep in range(4):
                 times.append(_ttft_ms(engine, n, 900 + n + rep, one))
         for rep in range(3):  # each after a second of idle GPU: what a burst-rated clock gives one prompt

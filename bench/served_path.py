@@ -8,13 +8,11 @@ One engine configuration (the same `inference-service serve` flags for all three
   rest        `rest-proxy serve --workers N` in front of it, `python -m loadtest --backend openai` (streaming
               completions)
   plus, served: batch-1 TPOT over gRPC and HTTP, and TTFT of a 1k and a 4k prompt (best of 4, one at a time)
-  against the FLOP roofline (2 FLOPs a weight a token + causal attention, at the measured matmul rate).
+  against the FLOP roofline (`gpu_common.ttft_roofline_ms`, at the measured matmul rate).
 
-Each TTFT prompt comes after `ttft_rest_s` of idle GPU: the state the matmul rate is measured in (a burst of
-products). Prompts back to back keep a Hopper at its power cap, clocked down: on an H200 (2026-11-29,
-bench/results/h200-2026-11-29c) a 4k prompt took 98.8 ms back to back against 90.0-93.8 after a second's rest,
-and 1 s of back-to-back products ran at 672 TFLOP/s against 752 in a burst (NVML: SwPowerCap, 1320-1515 MHz).
-Both figures are reported: the back-to-back TTFT and the sustained matmul rate beside the rested ones.
+Each TTFT prompt comes after `ttft_rest_s` of idle GPU, as the matmul rate is measured (a burst); back to back a
+Hopper runs at its power cap (H200, bench/results/h200-2026-11-29c: 4k 98.8 ms against 90.0-93.8 rested), and
+that TTFT and a 1 s product's rate are reported beside.
 
 Results: DIR/served_path.json and DIR/served_path.md (device, date, commit; served numbers first, each with its
 ratio to in-process and to the roofline, and the issue's targets), the loadtest runs under DIR/<path>/.
@@ -113,26 +111,16 @@ def in_process(flags: list[str], setup: dict, out_path: str) -> None:
     # Again after the load, as the served runs measure TTFT: what the engine's state after a load costs
     result["ttft_ms_after_load"] = _ttft_ms(engine, setup, seed=60, rest_s=setup["ttft_rest_s"])
 
+    lens = setup["ttft_lens"]
     time.sleep(setup["ttft_rest_s"] * 2)  # the burst rate of a rested GPU, as the TTFTs above were measured
     tflops = common.matmul_tflops(setup["matmul_n"], engine.loaded.model.dtype)
     result["matmul_tflops"] = round(tflops, 2)
     if common.DEVICE == "cuda":
         result["matmul_tflops_sustained_1s"] = round(
             common.sustained_matmul_tflops(setup["matmul_n"], engine.loaded.model.dtype, 1.0), 2)
-    result["ttft_roofline_ms"] = {str(n): round(ttft_roofline_ms(engine, n, tflops), 3) for n in setup["ttft_lens"]}
+    result["ttft_roofline_ms"] = {str(n): round(common.ttft_roofline_ms(engine, n, tflops), 3) for n in lens}
     with open(out_path, "w") as f:
         json.dump(result, f)
-
-
-def ttft_roofline_ms(engine, n: int, tflops: float) -> float:
-    """The FLOP roofline of a prompt of n tokens at `tflops`: 2 FLOPs a weight a token (the lm_head's too) + causal
-    attention (QK^T, PV)."""
-    import gpu_common as common
-
-    cfg = engine.loaded.config
-    linear_params = common.weight_bytes_per_step(engine.loaded.model) / engine.loaded.model.dtype.itemsize
-    flops = 2 * linear_params * n + 2 * n * n * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
-    return flops / (tflops * 1e12) * 1e3
 
 
 def _ttft_ms(engine, setup: dict, seed: int, rest_s: float) -> dict:
@@ -172,15 +160,13 @@ def _prompt(n: int, seed: int, engine) -> list[int]:
 
 def loadtest(backend: str, target: str, out_dir: str, *, num_requests: int, lens: tuple[int, int],
              concurrency: int | None = None, seed: int = 0, gap_s: float = 0.0) -> dict:
-    """One `python -m loadtest` run; its summary, plus `min_ttft_ms`. `gap_s`: requests that many seconds apart
-    (gamma gaps of shape 1000: within a few percent), else all at once."""
+    """One `python -m loadtest` run; its summary, plus `min_ttft_ms`. `gap_s`: requests that far apart, else at once."""
     cmd = [sys.executable, "-m", "loadtest", "--backend", backend, "--target", target, "--num-requests",
            str(num_requests), "--input-len", str(lens[0]), "--max-tokens", str(lens[1]), "--ignore-eos",
            "--seed", str(seed), "--no-plots", "--no-progress", "--output-dir", out_dir]
     if concurrency:
         cmd += ["--max-concurrency", str(concurrency)]
-    if gap_s:
-        cmd += ["--request-rate", str(1 / gap_s), "--burstiness", "1000"]
+    cmd += ["--request-rate", str(1 / gap_s), "--burstiness", "1000"] if gap_s else []
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     with open(os.path.join(out_dir, "results.json")) as f:
         results = json.load(f)
@@ -201,9 +187,8 @@ def served(backend: str, target: str, out: str, setup: dict, num_clients: int) -
                       concurrency=1, seed=seed + 200)
     result = {**full, "batch1_tpot_ms": batch1["tpot_ms"]["p50"], "ttft_ms": {}}
     for n in setup["ttft_lens"]:
-        # max_tokens 1: time to first token alone; best of 4, one at a time (the first compiles the shapes) on one
-        # connection, each sent after the GPU rested (see the module's docstring): a prompt's TTFT is well under
-        # 0.25 s, so a request every rest + 0.25 s
+        # max_tokens 1: best of 4, one at a time on one connection (the first compiles the shapes), each after the
+        # GPU rested (the module's docstring): a request every rest + 0.25 s
         time.sleep(setup["ttft_rest_s"])
         summary = loadtest(backend, target, os.path.join(out, backend, f"ttft{n}"), num_requests=4, lens=(n, 1),
                            concurrency=1, seed=seed + n,
