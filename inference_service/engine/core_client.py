@@ -2,9 +2,11 @@
 
 `CoreClient.spawn` starts the core (core_process.py) and waits until it loaded its model. Afterwards the
 event loop reads the core's step outputs as they come (one per step, every sequence's tokens in it) and
-routes each delta to its request's stream; commands go out through a sender thread, so a busy core (a
-full pipe) never blocks the event loop. If the core dies, every request in flight ends with
-UNAVAILABLE (`EngineCoreDiedError`) and `on_core_died` tells the server, which goes down with it.
+routes each delta to its request's stream. Commands are written from the event loop too, with no thread
+hop on a first token's path (a sender thread waited for the GIL behind the busy loop): the commands one loop
+iteration queued go out as one message, and a busy core (a full pipe) never blocks the loop, the rest waiting
+until the pipe is writable. If the core dies, every request in flight ends with UNAVAILABLE
+(`EngineCoreDiedError`) and `on_core_died` tells the server, which goes down with it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import concurrent.futures
 import itertools
 import logging
 import multiprocessing
-import queue
-import threading
+import os
+import struct
 from collections.abc import AsyncIterator, Callable
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 
@@ -43,7 +46,14 @@ from inference_service.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
-_STOP_SENDER = object()
+
+def connection_frame(obj) -> bytes:
+    """`obj` as `multiprocessing.connection.Connection.send` writes it (a big-endian 32-bit length, then the
+    pickle), so that the core's `Connection.recv` reads what the loop writes without blocking."""
+    data = ForkingPickler.dumps(obj)
+    if len(data) > 0x7FFFFFFF:
+        raise ValueError(f"a command message of {len(data)} bytes is over the pipe's 2 GiB frame")
+    return struct.pack("!i", len(data)) + data
 
 
 class CoreClient:
@@ -60,8 +70,9 @@ class CoreClient:
         self.on_core_died: Callable[[], None] | None = None  # set by the server
         self.load: EngineLoad | None = None  # the core's queues and cache after its latest output
         self._commands, self._outputs = commands, outputs
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sender: threading.Thread | None = None
+        self._queued_commands: list = []  # this loop iteration's, written as one message
+        self._unwritten = bytearray()  # of the messages, what the pipe did not take yet
+        self._is_waiting_writable = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue[CompletionDelta | BaseException]] = {}
         self._embed_jobs: dict[int, concurrent.futures.Future] = {}
@@ -116,21 +127,20 @@ class CoreClient:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._outputs.fileno(), self._read_outputs)
-        self._sender = threading.Thread(target=self._send_commands, name="core-commands", daemon=True)
-        self._sender.start()
+        os.set_blocking(self._commands.fileno(), False)
 
     async def stop(self) -> None:
         """Tells the core to abort what is left and exit; waits for it (kills it after 30 s)."""
         self._is_stopping = True
         if not self.is_dead:
-            self._outbox.put(Shutdown())
+            self._post(Shutdown())
             await asyncio.to_thread(self.process.join, 30)
             if self.process.exitcode is None:
                 logger.error("the engine core did not exit; killing it")
                 self.process.kill()
                 await asyncio.to_thread(self.process.join, 5)
             self._read_outputs()  # the last deltas, then EOF
-        self._outbox.put(_STOP_SENDER)
+        self._stop_writing()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[CompletionDelta]:
         """Submits a request and yields its deltas until its last one; leaving early aborts it."""
@@ -147,7 +157,7 @@ class CoreClient:
         stream: asyncio.Queue[CompletionDelta | BaseException] = asyncio.Queue()
         self._streams[request.request_id] = stream
         self._num_pending_adds += 1
-        self._outbox.put(AddRequest(request))
+        self._post(AddRequest(request))
         finished = False
         try:
             while True:
@@ -166,7 +176,7 @@ class CoreClient:
 
     def abort(self, request_id: str) -> None:
         if not self.is_dead:
-            self._outbox.put(AbortRequest(request_id))
+            self._post(AbortRequest(request_id))
 
     def send(self, command: EmbedBatch) -> None:
         """Runs an embedding batch in the core (from any thread); its result arrives on `command.result`."""
@@ -177,25 +187,44 @@ class CoreClient:
             return
         job_id = next(self._job_ids)
         self._embed_jobs[job_id] = command.result
-        self._outbox.put(EmbedJob(job_id, command.token_ids))
+        self._loop.call_soon_threadsafe(self._post, EmbedJob(job_id, command.token_ids))
 
     # ---- the pipes ----------------------------------------------------------------------------
 
-    def _send_commands(self) -> None:
-        """The sender thread: every command queued meanwhile goes out as one message."""
-        while True:
-            batch = [self._outbox.get()]
-            while True:
-                try:
-                    batch.append(self._outbox.get_nowait())
-                except queue.Empty:
-                    break
-            if batch[-1] is _STOP_SENDER:
-                return
-            try:
-                self._commands.send(batch)
-            except OSError:  # the core is gone; the reader reports it
-                return
+    def _post(self, command) -> None:
+        """On the event loop: `command` goes out with the others queued in this loop iteration."""
+        if self._commands.closed:
+            return
+        self._queued_commands.append(command)
+        if len(self._queued_commands) == 1:
+            self._loop.call_soon(self._write_commands)
+
+    def _write_commands(self) -> None:
+        """Writes what the pipe takes now; the rest when it is writable again."""
+        if self._commands.closed:
+            return
+        if self._queued_commands:
+            self._unwritten += connection_frame(self._queued_commands)
+            self._queued_commands = []
+        try:
+            del self._unwritten[:os.write(self._commands.fileno(), self._unwritten)]
+        except BlockingIOError:
+            pass
+        except OSError:  # the core is gone; the outputs' reader reports it
+            self._stop_writing()
+            return
+        if self._unwritten and not self._is_waiting_writable:
+            self._loop.add_writer(self._commands.fileno(), self._write_commands)
+        elif not self._unwritten and self._is_waiting_writable:
+            self._loop.remove_writer(self._commands.fileno())
+        self._is_waiting_writable = bool(self._unwritten)
+
+    def _stop_writing(self) -> None:
+        if self._is_waiting_writable:
+            self._loop.remove_writer(self._commands.fileno())
+            self._is_waiting_writable = False
+        self._queued_commands, self._unwritten = [], bytearray()
+        self._commands.close()
 
     def _read_outputs(self) -> None:
         """On the event loop, whenever the outputs pipe is readable."""
@@ -213,12 +242,13 @@ class CoreClient:
     def _handle(self, output: StepOutput) -> None:
         self.load = output.load
         self._num_pending_adds -= output.num_added
-        if output.metric_events:
-            self.metrics.apply(output.metric_events)
         for delta in output.deltas:
             stream = self._streams.get(delta.request_id)
             if stream is not None:
                 stream.put_nowait(delta)
+        if output.metric_events:
+            # After the streams had their turn: a finished request's log line is not on its first token's path.
+            self._loop.call_soon(self.metrics.apply, output.metric_events)
         for result in output.embeddings:
             self._finish_embedding(result)
 
@@ -243,6 +273,6 @@ class CoreClient:
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
         self._embed_jobs.clear()
-        self._outbox.put(_STOP_SENDER)
+        self._stop_writing()
         if self.on_core_died is not None:
             self.on_core_died()

@@ -92,13 +92,13 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt)} tokens, but the model's context length is {self.max_model_len} "
                 f"and at least one token must be generated", field="input")
-        for i, token_id in enumerate(prompt):
-            if not 0 <= token_id < self.vocab_size:
-                raise InvalidRequestError(
-                    f"token_ids[{i}] = {token_id} is outside the vocabulary (size {self.vocab_size})",
-                    field="token_ids",
-                )
-        return list(prompt)
+        prompt = list(prompt)
+        # min/max run in C: a per-id loop costs ~0.1 ms per 1k ids on the first token's path.
+        if prompt and (min(prompt) < 0 or max(prompt) >= self.vocab_size):
+            i, token_id = next((i, t) for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size)
+            raise InvalidRequestError(
+                f"token_ids[{i}] = {token_id} is outside the vocabulary (size {self.vocab_size})", field="token_ids")
+        return prompt
 
     def process(
         self,
