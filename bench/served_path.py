@@ -10,9 +10,9 @@ One engine configuration (the same `inference-service serve` flags for all three
   plus, served: batch-1 TPOT over gRPC and HTTP, and TTFT of a 1k and a 4k prompt (best of 4, one at a time)
   against the FLOP roofline (`gpu_common.ttft_roofline_ms`, at the measured matmul rate).
 
-Each TTFT prompt comes after `ttft_rest_s` of idle GPU, as the matmul rate is measured (a burst); back to back a
-Hopper runs at its power cap (H200, bench/results/h200-2026-11-29c: 4k 98.8 ms against 90.0-93.8 rested), and
-that TTFT and a 1 s product's rate are reported beside.
+Each TTFT prompt comes after `ttft_rest_s` of idle GPU, as the matmul rate is measured (a burst; back to back a
+Hopper runs at its power cap: that TTFT and a 1 s product's rate are reported beside), after the warm-up and batch
+1 but before the load (a GPU hot from it prefills 4k ~3% slower), timed from the request's checks on.
 
 Results: DIR/served_path.json and DIR/served_path.md (device, date, commit; served numbers first, each with its
 ratio to in-process and to the roofline, and the issue's targets), the loadtest runs under DIR/<path>/.
@@ -108,7 +108,7 @@ def in_process(flags: list[str], setup: dict, out_path: str) -> None:
     elapsed = time.perf_counter() - t0
     result["offline"] = {"output_tokens": num_out, "elapsed_s": round(elapsed, 2), "output_tok_s": round(num_out / elapsed, 1),
                          "preemptions": engine.scheduler.num_preemptions}
-    # Again after the load, as the served runs measure TTFT: what the engine's state after a load costs
+    # Again after the load: what the engine's and the GPU's state after a load costs
     result["ttft_ms_after_load"] = _ttft_ms(engine, setup, seed=60, rest_s=setup["ttft_rest_s"])
 
     lens = setup["ttft_lens"]
@@ -138,11 +138,11 @@ def _ttft_ms(engine, setup: dict, seed: int, rest_s: float) -> dict:
             # NOTE: a seed of its own a length: prompts drawn from one seed share their first tokens, and the
             # longer prompt would hit the prefix cache on the shorter one's blocks
             prompt_seed = seed * 100_000 + n + rep
-            engine.add_request(engine.input_processor.process(f"t{n}-{prompt_seed}", _prompt(n, prompt_seed, engine),
-                                                              one))
+            prompt = _prompt(n, prompt_seed, engine)
             common.sync()
             time.sleep(rest_s)
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()  # from the request's checks on, as a served request's arrival
+            engine.add_request(engine.input_processor.process(f"t{n}-{prompt_seed}", prompt, one))
             engine.run_until_idle()
             times.append(time.perf_counter() - t0)
         best[str(n)] = round(min(times) * 1e3, 2)
@@ -182,10 +182,10 @@ def served(backend: str, target: str, out: str, setup: dict, num_clients: int) -
     its own (seeds by backend and run): a prompt seen before would be served from the prefix cache."""
     seed = {"grpc": 10_000, "openai": 20_000}[backend]
     loadtest(backend, target, os.path.join(out, backend, "warmup"), num_requests=4, lens=(64, 8), seed=seed)
-    full = parallel_loadtest(backend, target, os.path.join(out, backend, "load"), setup, num_clients, seed + 100)
+    # The in-process run's order (the module's docstring)
     batch1 = loadtest(backend, target, os.path.join(out, backend, "batch1"), num_requests=3, lens=setup["batch1"],
                       concurrency=1, seed=seed + 200)
-    result = {**full, "batch1_tpot_ms": batch1["tpot_ms"]["p50"], "ttft_ms": {}}
+    result = {"batch1_tpot_ms": batch1["tpot_ms"]["p50"], "ttft_ms": {}}
     for n in setup["ttft_lens"]:
         # max_tokens 1: best of 4, one at a time on one connection (the first compiles the shapes), each after the
         # GPU rested (the module's docstring): a request every rest + 0.25 s
@@ -194,7 +194,8 @@ def served(backend: str, target: str, out: str, setup: dict, num_clients: int) -
                            concurrency=1, seed=seed + n,
                            gap_s=setup["ttft_rest_s"] + 0.25 if setup["ttft_rest_s"] else 0.0)
         result["ttft_ms"][str(n)] = round(summary["min_ttft_ms"], 2)
-    return result
+    full = parallel_loadtest(backend, target, os.path.join(out, backend, "load"), setup, num_clients, seed + 100)
+    return {**full, **result}
 
 
 def parallel_loadtest(backend: str, target: str, out_dir: str, setup: dict, num_clients: int, seed: int) -> dict:
