@@ -93,10 +93,12 @@ def parse_override(text: str | None) -> dict[str, Any]:
     return value
 
 
-def read_checkpoint_defaults(source: str, model_path: str) -> dict[str, Any]:
+def read_checkpoint_defaults(source: str, model_path: str, gguf_metadata: dict[str, Any] | None = None
+                             ) -> dict[str, Any]:
     """The sampling defaults `--generation-config source` names for the model at `model_path`, keyed by our
     field names: "none" -> {}; "auto" -> the model folder's `generation_config.json` (a GGUF: its
-    `general.sampling.*` metadata); else `source` is a folder holding `generation_config.json`."""
+    `general.sampling.*` metadata, from `gguf_metadata` when the loader read it already: parsing a GGUF's
+    vocabulary takes seconds); else `source` is a folder holding `generation_config.json`."""
     if source == "none":
         return {}
     if source != "auto":
@@ -108,7 +110,8 @@ def read_checkpoint_defaults(source: str, model_path: str) -> dict[str, Any]:
         path = os.path.join(model_path, GENERATION_CONFIG_FILE)
         return _read_json(path) if os.path.isfile(path) else {}
     if model_path.endswith(".gguf") and os.path.isfile(model_path):
-        return _read_gguf(model_path)
+        metadata = gguf_metadata if gguf_metadata is not None else _read_gguf(model_path)
+        return {ours: metadata[key] for key, ours in _GGUF_KEYS.items() if key in metadata}
     return {}
 
 
@@ -126,16 +129,16 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def _read_gguf(path: str) -> dict[str, Any]:
-    import gguf
+    from inference_service.model.gguf_loader import open_gguf_reader
 
-    reader = gguf.GGUFReader(path)
-    return {ours: reader.fields[key].contents() for key, ours in _GGUF_KEYS.items() if key in reader.fields}
+    reader = open_gguf_reader(path)
+    return {key: reader.fields[key].contents() for key in _GGUF_KEYS if key in reader.fields}
 
 
-def load_generation_defaults(source: str, model_path: str, override: dict[str, Any] | None = None
-                             ) -> GenerationDefaults:
+def load_generation_defaults(source: str, model_path: str, override: dict[str, Any] | None = None,
+                             gguf_metadata: dict[str, Any] | None = None) -> GenerationDefaults:
     """The defaults in force: the checkpoint's (per `source`) with `override` laid over them."""
-    values = read_checkpoint_defaults(source, model_path)
+    values = read_checkpoint_defaults(source, model_path, gguf_metadata)
     values.update({_OVERRIDE_KEYS[k]: v for k, v in (override or {}).items()})
     known = {f.name for f in fields(GenerationDefaults)}
     return GenerationDefaults(**{k: v for k, v in values.items() if k in known})

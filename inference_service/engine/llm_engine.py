@@ -69,7 +69,8 @@ class LLMEngine:
         model_len = self.loaded.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         self.generation_defaults = load_generation_defaults(config.generation_config, self.loaded.model_path,
-                                                            config.override_generation_config)
+                                                            config.override_generation_config,
+                                                            self.loaded.gguf_metadata)
         self.model_runner = ModelRunner(self.loaded, config, self.device, self.dtype, self.max_model_len)
         self.block_manager = BlockManager(
             self.model_runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching

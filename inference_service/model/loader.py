@@ -9,6 +9,7 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,6 +47,8 @@ class LoadedModel:
     pooling: PoolingConfig | None = None
     # What the decoder's weights are (quantization, bits, bytes); None for an encoder.
     quantization: QuantizationSummary | None = None
+    # A GGUF's scalar metadata (its arrays, the vocabulary's, left out), so that nothing parses the file again.
+    gguf_metadata: dict[str, Any] | None = None
 
     @property
     def is_encoder(self) -> bool:
@@ -114,13 +117,14 @@ def load_model(path: str | None = None, *, device: str | torch.device = "cpu", d
     if os.path.isdir(path) and _is_bert_dir(path):
         return _load_encoder(path, alias, device, dtype)
     label = f"in-situ {quantization}" if quantization else "none"
+    gguf_metadata = None
     if os.path.isdir(path):
         config, weights, tokenizer, name, spec = _open_hf_dir(path, dtype, device, quantization)
         label = quant.spec_label(spec) if spec is not None else label
     elif path.endswith(".gguf"):
         gpu_packed = quantized_weights and quantization is None and torch.device(device).type == "cuda"
         keep_quantized = quantized_weights and quantization is None and _can_execute_quantized(device, dtype)
-        config, weights, tokenizer, name = _open_gguf(path, dtype, keep_quantized, gpu_packed)
+        config, weights, tokenizer, name, gguf_metadata = _open_gguf(path, dtype, keep_quantized, gpu_packed)
         label = "gguf" if gpu_packed or keep_quantized else label
         spec = "gguf" if gpu_packed else None
     else:
@@ -138,7 +142,8 @@ def load_model(path: str | None = None, *, device: str | torch.device = "cpu", d
                        label, str(dtype).removeprefix("torch."))
     pooling = _decoder_pooling(path) if os.path.isdir(path) else None
     return _with_summary(LoadedModel(config=config, model=model, tokenizer=tokenizer,
-                                     model_path=os.path.abspath(path), model_name=alias or name, pooling=pooling),
+                                     model_path=os.path.abspath(path), model_name=alias or name, pooling=pooling,
+                                     gguf_metadata=gguf_metadata),
                          label)
 
 
@@ -216,8 +221,9 @@ def _open_gguf(path: str, dtype: torch.dtype, keep_quantized: bool, gpu_packed: 
     tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata)
     # "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct": clients name the model, not its quantization.
     name = re.sub(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", "", os.path.basename(path)[: -len(".gguf")], flags=re.IGNORECASE)
+    scalars = {key: value for key, value in checkpoint.metadata.items() if not isinstance(value, list)}
     return (checkpoint.config, checkpoint.weights(dtype, keep_quantized=keep_quantized, gpu_packed=gpu_packed),
-            tokenizer, name)
+            tokenizer, name, scalars)
 
 
 def _open_hf_dir(path: str, dtype: torch.dtype, device: str | torch.device, quantization: str | None):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from harness import PagedHarness, build_metadata
+from inference_service.engine.generation_config import load_generation_defaults
 from inference_service.model.loader import load_model
 
 gguf = pytest.importorskip("gguf")
@@ -70,6 +71,9 @@ def gguf_path(tmp_path_factory) -> str:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
+    writer.add_float32("general.sampling.temp", 0.25)  # the sampling defaults llama.cpp's converter writes
+    writer.add_int32("general.sampling.top_k", 5)
+    writer.add_float32("general.sampling.top_p", 0.5)
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
@@ -132,3 +136,13 @@ def test_logits_match_transformers(gguf_path, hf_from_gguf):
     metadata = build_metadata([0], [len(ids)], [table], harness.block_size)
     got = loaded.model.compute_logits(loaded.model(torch.tensor(ids), torch.arange(len(ids)), harness.kv_caches, metadata))
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_sampling_defaults_come_from_the_metadata_the_loader_read(gguf_path):
+    loaded = load_model(gguf_path)
+    assert {k: v for k, v in loaded.gguf_metadata.items() if k.startswith("general.sampling.")} == {
+        "general.sampling.temp": 0.25, "general.sampling.top_k": 5, "general.sampling.top_p": 0.5}
+    assert not any(isinstance(v, list) for v in loaded.gguf_metadata.values())  # the vocabulary is not kept twice
+    expected = {"temperature": 0.25, "top_k": 5, "top_p": 0.5}
+    assert load_generation_defaults("auto", loaded.model_path, gguf_metadata=loaded.gguf_metadata).as_dict() == expected
+    assert load_generation_defaults("auto", loaded.model_path).as_dict() == expected  # read from the file
