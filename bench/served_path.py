@@ -37,7 +37,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-
 # The workload on an H100, and a CPU smoke of the same steps.
 GPU = {"model": os.path.join(ROOT, "bench", "configs", "llama-3-8b"), "requests": 384, "lens": (1000, 1000),
        "max_num_seqs": 384, "serve": ["--load-format", "dummy", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8",
