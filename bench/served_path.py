@@ -12,7 +12,7 @@ One engine configuration (the same `inference-service serve` flags for all three
 
 Each TTFT prompt comes after `ttft_rest_s` of idle GPU, as the matmul rate is measured (a burst; back to back a
 Hopper runs at its power cap: that TTFT and a 1 s product's rate are reported beside), after the warm-up and batch
-1 but before the load (a GPU hot from it prefills 4k ~3% slower), timed from the request's checks on.
+1 but before the load on both paths (one GPU state), timed from the request's checks on.
 
 Results: DIR/served_path.json and DIR/served_path.md (device, date, commit; served numbers first, each with its
 ratio to in-process and to the roofline, and the issue's targets), the loadtest runs under DIR/<path>/.
