@@ -27,6 +27,21 @@ def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# The interpreter runs a launch's programs one after another, every op a Python call on numpy arrays: a launch
+# costs ~1 ms an op a program, nearly whatever the tile's size (the CPU suite's quantized model tests spent 2/3 of
+# their time in GEMV launches of 16-256 programs of 2-16 columns).
+INTERPRETED_BLOCK_N = 128
+
+
+def interpreted_block_n(block_n: int, n: int) -> int:
+    """A GEMV's column tile: `block_n`, or under Triton's interpreter up to INTERPRETED_BLOCK_N (all of n when it
+    fits), so that a launch runs few programs. Only for kernels in which each output column is summed by one
+    program in an order the column tile does not change: the results stay bit for bit those of `block_n`."""
+    if not is_interpreter():
+        return block_n
+    return max(block_n, min(INTERPRETED_BLOCK_N, next_pow2(n)))
+
+
 def require(cond: bool, msg: str | Callable[[], str]) -> None:
     """Raises ValueError(msg) unless `cond`. A message that formats values comes as a lambda: these checks run
     on every eager launch, and an f-string would be formatted each time, failing or not (~90 us a Triton

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import cast, is_interpreter, next_pow2, pdl_args, pdl_enter
+from kernels._common import cast, interpreted_block_n, is_interpreter, next_pow2, pdl_args, pdl_enter
 
 MAX_FP8_GEMV_ROWS = 1  # more rows go to the fp8 x fp8 GEMM, faster there (bench/gpu_quant.py --only crossover)
 
@@ -151,12 +151,13 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n
             groups_per_tile = tile_k // block_k  # whole scale blocks a tile (both powers of two)
         else:  # a tile within one scale block: the largest power of two dividing it
             tile_k = min(tile_k, block_k & -block_k)
+    tile_n = tile_n or interpreted_block_n(tiles["block_n"], n)
     opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"], "num_stages": tiles["num_stages"]}
-    _fp8_gemv_kernel[(triton.cdiv(n, tile_n or tiles["block_n"]),)](
+    _fp8_gemv_kernel[(triton.cdiv(n, tile_n),)](
         x, weight.view(torch.uint8), scale, bias if bias is not None else x, residual if residual is not None else x,
         out, num_rows, n, k, x.stride(0), weight.stride(0), scale.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0), GROUP_N=block_n, GROUP_K=block_k,
         HAS_BIAS=bias is not None, RESIDUAL=residual is not None, BLOCK_M=next_pow2(num_rows),
-        BLOCK_N=tile_n or tiles["block_n"], BLOCK_K=tile_k, GROUPS_PER_TILE=groups_per_tile, **opts,
+        BLOCK_N=tile_n, BLOCK_K=tile_k, GROUPS_PER_TILE=groups_per_tile, **opts,
         **pdl_args(x.device))
     return out

@@ -20,6 +20,7 @@ import triton.language as tl
 from kernels._common import (
     ACT_DTYPES,
     cast,
+    interpreted_block_n,
     is_interpreter,
     next_pow2,
     pdl_args,
@@ -221,7 +222,7 @@ def gemv(
     require_inner_contiguous("out", out)
     require_same_device(x=x, w=w, out=out)
     tiles = gemv_config(num_rows, n, has_prologue=gated or norm_weight is not None)
-    block_n, block_k = block_n or tiles["block_n"], block_k or tiles["block_k"]
+    block_n, block_k = block_n or interpreted_block_n(tiles["block_n"], n), block_k or tiles["block_k"]
     opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"],
                                         "num_stages": num_stages or tiles["num_stages"]}
     _gemv_kernel[(triton.cdiv(n, block_n),)](

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import cast, is_interpreter, next_pow2, pdl_args, pdl_enter
+from kernels._common import cast, interpreted_block_n, is_interpreter, next_pow2, pdl_args, pdl_enter
 from kernels.activation import silu_and_mul
 from kernels.norm import rms_norm
 from kernels.quant_gemv_tc import quant_gemv_tc, takes_tensor_cores
@@ -199,7 +199,7 @@ def quant_gemv(x: torch.Tensor, w: IntPackedWeight, bias: torch.Tensor | None = 
     if out is None:
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     tiles = quant_gemv_config(n, gated)
-    block_n = block_n or tiles["block_n"]
+    block_n = block_n or interpreted_block_n(tiles["block_n"], n)
     block_k, chunking = tile_for(w, block_k or tiles["block_k"])
     opts = {} if is_interpreter() else {"num_warps": num_warps or tiles["num_warps"],
                                         "num_stages": num_stages or tiles["num_stages"]}
