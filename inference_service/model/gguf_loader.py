@@ -3,6 +3,7 @@ their blocks (`QuantizedWeight`) for the CPU kernels that execute them in place.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Iterator
@@ -71,11 +72,19 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def open_gguf_reader(path: str):
-    """`gguf.GGUFReader(path)`, reading through a plain array view of the file's mapping.
+    """`gguf.GGUFReader(path)`, reading through a plain array view of the file's mapping
+    (`plain_array_reader_class`)."""
+    return plain_array_reader_class()(path)
+
+
+@functools.cache
+def plain_array_reader_class() -> type:
+    """A `gguf.GGUFReader` that reads through a plain array view of the file's mapping.
 
     NOTE: the reader slices its `np.memmap` once or twice per metadata value, and a memmap's slicing runs in
     Python (`memmap.__getitem__`, `__array_finalize__`): the embedded SmolLM2's ~100k vocabulary strings took
-    5.1 s to read, 1.6 s through an `ndarray` view of the same mapping (read-only as before)."""
+    5.1 s to read, 1.6 s through an `ndarray` view of the same mapping (read-only as before). Built on first use:
+    `gguf` is imported only where a GGUF file is read."""
     import gguf
 
     class PlainArrayReader(gguf.GGUFReader):
@@ -87,7 +96,7 @@ def open_gguf_reader(path: str):
         def data(self, mapped: np.ndarray) -> None:
             self._plain_data = np.asarray(mapped)  # a base-class view; it keeps the mapping alive
 
-    return PlainArrayReader(path)
+    return PlainArrayReader
 
 
 class GGUFCheckpoint:
