@@ -14,6 +14,8 @@ PROXY_ARGS ?=
 # Proxy processes sharing PROXY_PORT (rest-proxy serve --workers); empty: the proxy's default, min(4, CPUs).
 PROXY_WORKERS ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers of `make test`, a test file to a worker (0: one process).
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup serve serve-engine test proto lint bench clean
 
@@ -44,7 +46,7 @@ serve-engine: $(STAMP)
 
 test: $(STAMP)
 	cd proto && ../$(VENV)/bin/buf lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/decode_throughput.py
