@@ -14,7 +14,8 @@ PROXY_ARGS ?=
 # Proxy processes sharing PROXY_PORT (rest-proxy serve --workers); empty: the proxy's default, min(4, CPUs).
 PROXY_WORKERS ?=
 PYTEST_ARGS ?=
-# pytest-xdist workers of `make test`, a test file to a worker (0: one process).
+# pytest-xdist workers of `make test`, a test file to a worker (0: one process); the tests marked `alone`
+# (they time the server under load) run after them, by themselves.
 PYTEST_WORKERS ?= 2
 
 .PHONY: setup serve serve-engine test proto lint bench clean
@@ -46,7 +47,8 @@ serve-engine: $(STAMP)
 
 test: $(STAMP)
 	cd proto && ../$(VENV)/bin/buf lint
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m 'not alone' $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m alone $(PYTEST_ARGS) || [ $$? -eq 5 ]  # 5: the selection has none of them
 
 bench: $(STAMP)
 	$(PY) bench/decode_throughput.py

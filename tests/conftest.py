@@ -51,3 +51,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":
             pass
 
     _interpreter._patch_lang = _PatchOncePerLaunch(_interpreter._patch_lang)
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Tests under tests/reliability time the server under overload, disconnects and restarts (e.g. a burst's
+    excess refused within 2 s): they are marked `alone`, and `make test` runs them after the parallel part, by
+    themselves (beside another pytest worker a 429 once took 2.4 s)."""
+    for item in items:
+        if "reliability" in item.path.parts:
+            item.add_marker("alone")

@@ -1,7 +1,8 @@
 """Under Triton's interpreter the GEMVs launch wide column tiles (`kernels._common.interpreted_block_n`: a launch
 costs per program there). Each output column is summed by one program in one order whatever the column tile, so
-the results must be bit for bit those of the tiles the GPU takes; the kernels' tests pass the GPU's tiles.
-Compiled on a GPU both launches take the same tile (nothing to compare, the assertions hold trivially)."""
+the results must be bit for bit those of the tiles the GPU takes: the kernels' reference tests, which take the
+default (wide) tiles here, then vouch for the GPU's tiles too. Compiled on a GPU both launches take the same tile
+(nothing to compare there)."""
 
 from __future__ import annotations
 
